@@ -1,0 +1,179 @@
+//! The error kinds of imdedup, mapped once to gRPC status codes and to the
+//! `retryable` flag that phones see.
+//!
+//! Only two kinds are final for the phone: a malformed request and a bad
+//! token. Everything else means "not stored yet, resend with the same ID",
+//! which is always safe because a resend is recognised.
+
+use std::fmt;
+
+use tonic::{Code, Status};
+
+/// What went wrong, at the granularity a caller can act on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// The request is malformed or breaks a documented limit. Final.
+    InvalidArgument,
+    /// The token is missing, forged or expired. Final for this token.
+    Unauthenticated,
+    /// A backend (ingest, storage) cannot be reached. Retry.
+    Unavailable,
+    /// A backend did not answer within the deadline. Retry.
+    DeadlineExceeded,
+    /// Too much work in flight; shed before doing any. Retry later.
+    Overloaded,
+    /// Anything else; nothing was acknowledged. Retry.
+    Internal,
+}
+
+impl ErrorKind {
+    /// Whether the phone should resend the same message (same ID) later.
+    pub fn retryable(self) -> bool {
+        !matches!(self, Self::InvalidArgument | Self::Unauthenticated)
+    }
+
+    /// The stable name used in JSON client frames and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::InvalidArgument => "invalid_argument",
+            Self::Unauthenticated => "unauthenticated",
+            Self::Unavailable => "unavailable",
+            Self::DeadlineExceeded => "deadline_exceeded",
+            Self::Overloaded => "overloaded",
+            Self::Internal => "internal",
+        }
+    }
+
+    /// The gRPC status code for this kind.
+    pub fn grpc_code(self) -> Code {
+        match self {
+            Self::InvalidArgument => Code::InvalidArgument,
+            Self::Unauthenticated => Code::Unauthenticated,
+            Self::Unavailable => Code::Unavailable,
+            Self::DeadlineExceeded => Code::DeadlineExceeded,
+            Self::Overloaded => Code::ResourceExhausted,
+            Self::Internal => Code::Internal,
+        }
+    }
+
+    /// The kind a gRPC status code stands for, seen from the caller's side.
+    pub fn from_grpc_code(code: Code) -> Self {
+        match code {
+            Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => {
+                Self::InvalidArgument
+            }
+            Code::Unauthenticated | Code::PermissionDenied => Self::Unauthenticated,
+            Code::Unavailable | Code::Cancelled | Code::Aborted => Self::Unavailable,
+            Code::DeadlineExceeded => Self::DeadlineExceeded,
+            Code::ResourceExhausted => Self::Overloaded,
+            _ => Self::Internal,
+        }
+    }
+}
+
+impl fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An error with its kind and a message meant for the person reading it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{kind}: {message}")]
+pub struct Error {
+    kind: ErrorKind,
+    message: String,
+}
+
+impl Error {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::InvalidArgument, message)
+    }
+
+    pub fn unauthenticated(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Unauthenticated, message)
+    }
+
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Unavailable, message)
+    }
+
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Internal, message)
+    }
+
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    pub fn retryable(&self) -> bool {
+        self.kind.retryable()
+    }
+}
+
+impl From<Error> for Status {
+    fn from(err: Error) -> Self {
+        Status::new(err.kind.grpc_code(), err.message)
+    }
+}
+
+impl From<Status> for Error {
+    fn from(status: Status) -> Self {
+        Self::new(
+            ErrorKind::from_grpc_code(status.code()),
+            status.message().to_owned(),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_bad_requests_and_bad_tokens_are_final() {
+        let final_kinds: Vec<_> = [
+            ErrorKind::InvalidArgument,
+            ErrorKind::Unauthenticated,
+            ErrorKind::Unavailable,
+            ErrorKind::DeadlineExceeded,
+            ErrorKind::Overloaded,
+            ErrorKind::Internal,
+        ]
+        .into_iter()
+        .filter(|k| !k.retryable())
+        .collect();
+        assert_eq!(
+            final_kinds,
+            [ErrorKind::InvalidArgument, ErrorKind::Unauthenticated]
+        );
+    }
+
+    #[test]
+    fn kinds_survive_a_trip_through_grpc_status() {
+        for kind in [
+            ErrorKind::InvalidArgument,
+            ErrorKind::Unauthenticated,
+            ErrorKind::Unavailable,
+            ErrorKind::DeadlineExceeded,
+            ErrorKind::Overloaded,
+            ErrorKind::Internal,
+        ] {
+            let status: Status = Error::new(kind, "boom").into();
+            let back = Error::from(status);
+            assert_eq!(back.kind(), kind);
+            assert_eq!(back.message(), "boom");
+        }
+    }
+}

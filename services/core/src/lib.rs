@@ -1,0 +1,22 @@
+//! The domain of imdedup, shared by every service.
+//!
+//! - [`model`]: validated types (sender, client message ID, conversation,
+//!   body) and what storage and ACKs carry;
+//! - [`error`]: the small set of error kinds, mapped once to gRPC codes and to
+//!   the client frame's `retryable` flag;
+//! - [`store`] and [`window`]: the two backend traits, the durable store with
+//!   its unique key and the recent-ID window in front of it;
+//! - [`routing`]: which ingest shard owns a conversation;
+//! - [`token`]: the HMAC-signed tokens that name a connection's sender;
+//! - [`clock`]: time that tests can move by hand.
+
+pub mod clock;
+pub mod convert;
+pub mod error;
+pub mod model;
+pub mod routing;
+pub mod store;
+pub mod token;
+pub mod window;
+
+pub use error::{Error, ErrorKind};
