@@ -15,7 +15,7 @@
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-CACHE=${IMDEDUP_CACHE:-$HOME/.cache/imdedup}
+CACHE=${IMDEDUP_CACHE:-${HOME:-/tmp}/.cache/imdedup}
 STATE=${IMDEDUP_STATE:-/tmp/imdedup-services}
 HOST=127.0.0.1
 
@@ -66,7 +66,8 @@ apt_install() { # PKG...
   local alog="$STATE/apt.log"
   if [ "$APT_UPDATED" = 0 ]; then
     log "apt-get update"
-    as_root apt-get update -q >"$alog" 2>&1 || { tail -n 20 "$alog" >&2; die "apt-get update failed (log: $alog)"; }
+    as_root apt-get update -q >"$alog" 2>&1 || { sleep 5; as_root apt-get update -q >>"$alog" 2>&1; } \
+      || { tail -n 20 "$alog" >&2; die "apt-get update failed (log: $alog)"; }
     APT_UPDATED=1
   fi
   log "apt-get install $*"
@@ -96,9 +97,11 @@ pid_of() {
 start_bg() { # DIR LOGFILE CMD... : start detached (own session, cwd DIR), pid in DIR/pid
   local dir=$1 logf=$2; shift 2
   rm -f "$dir/pid"
-  # fd 9 is our lock: the child must not inherit it. stdio goes to the log so
-  # that `$(services.sh up)` does not wait for the server to exit.
-  setsid bash -c 'cd "$1" && echo $$ >"$1/pid" && shift && exec "$@"' start_bg "$dir" "$@" \
+  # The server must not keep any of our descriptors: fd 9 is our lock, and an
+  # inherited pipe would make `$(services.sh up)` wait for the server to exit.
+  # So stdio goes to the log and every other inherited fd is closed.
+  setsid bash -c 'for n in $(ls /proc/$$/fd); do [ "$n" -gt 2 ] && exec {n}>&-; done
+    cd "$1" && echo $$ >"$1/pid" && shift && exec "$@"' start_bg "$dir" "$@" \
     </dev/null >>"$logf" 2>&1 9>&- &
   local i
   for i in $(seq 1 50); do [ -s "$dir/pid" ] && return 0; sleep 0.1; done
@@ -194,9 +197,11 @@ up_redis_cluster() {
     return 0
   fi
   ensure_redis_bin
+  local old=()
   for p in $(cluster_ports); do
-    if pid=$(pid_of "$base/$p" redis "$p"); then stop_pid "$pid" "redis-cluster:$p" 10; fi
+    if pid=$(pid_of "$base/$p" redis "$p"); then kill -TERM "$pid" 2>/dev/null || true; old+=("$pid:$p"); fi
   done
+  for pid in ${old[@]+"${old[@]}"}; do stop_pid "${pid%%:*}" "redis-cluster:${pid#*:}" 10 nosignal; done
   rm -rf "$base"
   local ports="$CLUSTER_BASE_PORT $((CLUSTER_BASE_PORT + 1)) $((CLUSTER_BASE_PORT + 2))"
   for p in $ports; do
@@ -282,10 +287,17 @@ ensure_cassandra_dist() { # resolves cassandra-all + runtime deps into the cache
 EOF
   log "fetching Cassandra $CASS_VERSION and its dependencies with Maven into $CACHE (first run only)"
   local t0; t0=$(now)
-  if ! JAVA_HOME=$(dirname "$(dirname "$JAVA")") timeout 900 mvn -B -q -f "$d/pom.xml" \
-      -Dmaven.repo.local="$CACHE/m2" \
-      org.apache.maven.plugins:maven-dependency-plugin:3.6.1:build-classpath \
-      -Dmdep.includeScope=runtime -Dmdep.outputFile="$cpf.tmp" >"$d/mvn.log" 2>&1; then
+  local try ok=0
+  for try in 1 2; do
+    if JAVA_HOME=$(dirname "$(dirname "$JAVA")") timeout 900 mvn -B -q -f "$d/pom.xml" \
+        -Dmaven.repo.local="$CACHE/m2" \
+        org.apache.maven.plugins:maven-dependency-plugin:3.6.1:build-classpath \
+        -Dmdep.includeScope=runtime -Dmdep.outputFile="$cpf.tmp" >"$d/mvn.log" 2>&1; then
+      ok=1; break
+    fi
+    [ "$try" = 2 ] || { log "Maven failed; retrying once"; sleep 5; }
+  done
+  if [ "$ok" = 0 ]; then
     tail -n 30 "$d/mvn.log" >&2
     die "Maven could not fetch org.apache.cassandra:cassandra-all:$CASS_VERSION (log: $d/mvn.log)"
   fi
@@ -374,6 +386,10 @@ cass_jvm_opts() { # DIR
     -Dcassandra.load_ring_state=false
     -Dcassandra.superuser_setup_delay_ms=0
     -Dcassandra.unsafesystem=true
+    -Dcassandra.memtable.row_overhead_size=180
+    # fast shutdown: no 2 s gossip announce, no messaging quiesce wait
+    -Dcassandra.shutdown_announce_in_ms=0
+    -Dcassandra.test.messagingService.nonGracefulShutdown=true
   )
   [ -n "$jamm" ] && CASS_OPTS+=("-javaagent:$jamm")
   if [ -n "$CASS_JMX_PORT" ]; then
@@ -483,6 +499,7 @@ cmd_status() {
     if command -v redis-cli >/dev/null 2>&1 && redis_ping "$port"; then
       echo "redis          up        pid $pid  redis://$HOST:$port"
     else echo "redis          UNHEALTHY pid $pid  redis://$HOST:$port  (log: $STATE/redis/redis.log)"; bad=1; fi
+  elif [ -s "$STATE/redis/pid" ]; then echo "redis          DEAD      (log: $STATE/redis/redis.log)"; bad=1
   else echo "redis          down"; fi
 
   if [ -s "$STATE/redis-cluster/ports" ]; then
@@ -502,6 +519,7 @@ cmd_status() {
     if cass_ready "$port"; then
       echo "cassandra      up        pid $pid  $HOST:$port  (${CASS_RELEASE:-?}, rss $rss)"
     else echo "cassandra      STARTING/UNHEALTHY pid $pid  $HOST:$port  (log: $STATE/cassandra/logs/system.log)"; bad=1; fi
+  elif [ -s "$STATE/cassandra/pid" ]; then echo "cassandra      DEAD      (log: $STATE/cassandra/logs/system.log)"; bad=1
   else echo "cassandra      down"; fi
   return "$bad"
 }

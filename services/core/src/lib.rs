@@ -6,15 +6,19 @@
 //!   the client frame's `retryable` flag;
 //! - [`store`] and [`window`]: the two backend traits, the durable store with
 //!   its unique key and the recent-ID window in front of it;
+//! - [`remote_store`]: the storage service over gRPC, as a store;
 //! - [`routing`]: which ingest shard owns a conversation;
 //! - [`token`]: the HMAC-signed tokens that name a connection's sender;
-//! - [`clock`]: time that tests can move by hand.
+//! - [`clock`]: time that tests can move by hand;
+//! - [`server`]: gRPC serving with health, reflection and a graceful stop.
 
 pub mod clock;
 pub mod convert;
 pub mod error;
 pub mod model;
+pub mod remote_store;
 pub mod routing;
+pub mod server;
 pub mod store;
 pub mod token;
 pub mod window;

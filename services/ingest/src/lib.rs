@@ -1,0 +1,31 @@
+//! The ingest service: validates a send, checks the recent-ID window, asks
+//! storage to insert a new ID once, and answers every repeat with the
+//! original ACK.
+
+pub mod dedup;
+pub mod grpc;
+pub mod window;
+
+use std::sync::Arc;
+
+use imdedup_core::server::serve_grpc;
+use imdedup_proto::v1::ingest_service_server::SERVICE_NAME;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tonic::service::Routes;
+
+pub use dedup::{Dedup, DedupCounts};
+pub use grpc::IngestGrpc;
+pub use window::{MemoryWindow, MemoryWindowOptions};
+
+/// Serve `dedup` as `imdedup.v1.IngestService` (plus health and reflection)
+/// on `listener` until `shutdown` is cancelled.
+pub async fn serve(
+    listener: TcpListener,
+    dedup: Arc<Dedup>,
+    max_body_bytes: usize,
+    shutdown: CancellationToken,
+) -> Result<(), tonic::transport::Error> {
+    let routes = Routes::new(IngestGrpc::new(dedup, max_body_bytes).into_server());
+    serve_grpc(listener, &[SERVICE_NAME], routes, 4096, shutdown).await
+}

@@ -1,0 +1,28 @@
+//! The storage service: insert-once keyed on (sender, client message ID),
+//! answering "stored" with the new row or "already stored" with the original
+//! one, and the history of a conversation by seq.
+
+pub mod grpc;
+pub mod sqlite;
+
+use std::sync::Arc;
+
+use imdedup_core::{server::serve_grpc, store::MessageStore};
+use imdedup_proto::v1::storage_service_server::SERVICE_NAME;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tonic::service::Routes;
+
+pub use grpc::StorageGrpc;
+pub use sqlite::{SqliteOptions, SqliteStore};
+
+/// Serve `store` as `imdedup.v1.StorageService` (plus health and reflection)
+/// on `listener` until `shutdown` is cancelled.
+pub async fn serve(
+    listener: TcpListener,
+    store: Arc<dyn MessageStore>,
+    shutdown: CancellationToken,
+) -> Result<(), tonic::transport::Error> {
+    let routes = Routes::new(StorageGrpc::new(store).into_server());
+    serve_grpc(listener, &[SERVICE_NAME], routes, 1024, shutdown).await
+}

@@ -1,0 +1,60 @@
+//! Serving a gRPC service the way every imdedup server does: with the gRPC
+//! health service and server reflection next to it, and a graceful stop.
+
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
+use tonic::service::Routes;
+use tonic_health::ServingStatus;
+
+/// Serve `routes` on `listener` until `shutdown` is cancelled, then stop
+/// taking new calls, report NOT_SERVING on the health service, and let calls
+/// in flight finish (the caller bounds how long with its grace period).
+///
+/// `service_names` are the fully qualified names reported SERVING by the
+/// health service (grpc.health.v1), besides the overall "" entry.
+pub async fn serve_grpc(
+    listener: TcpListener,
+    service_names: &[&'static str],
+    routes: Routes,
+    max_concurrent_per_connection: usize,
+    shutdown: CancellationToken,
+) -> Result<(), tonic::transport::Error> {
+    let (health, health_service) = tonic_health::server::health_reporter();
+    for name in service_names.iter().copied().chain([""]) {
+        health.set_service_status(name, ServingStatus::Serving).await;
+    }
+    let reflection_v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(imdedup_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .expect("the embedded descriptor sets are valid");
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(imdedup_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()
+        .expect("the embedded descriptor sets are valid");
+    let routes = routes
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha);
+
+    let names = service_names.to_vec();
+    let signal = async move {
+        shutdown.cancelled().await;
+        for name in names.into_iter().chain([""]) {
+            health
+                .set_service_status(name, ServingStatus::NotServing)
+                .await;
+        }
+    };
+    tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .concurrency_limit_per_connection(max_concurrent_per_connection)
+        .add_routes(routes)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), signal)
+        .await
+}

@@ -1,0 +1,288 @@
+//! The dedup decision: the window answers most repeats; the store's unique
+//! key answers the rest and has the last word.
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use imdedup_core::{
+    Error, ErrorKind,
+    model::{Ack, NewMessage, Outcome, Receipt},
+    store::{Insert, MessageStore},
+    window::{Claim, RecentWindow},
+};
+
+/// Counts of what the ingest decided, since start.
+#[derive(Debug, Default)]
+pub struct DedupStats {
+    pub stored: AtomicU64,
+    pub duplicate_window: AtomicU64,
+    pub duplicate_unique_key: AtomicU64,
+    pub in_flight_conflicts: AtomicU64,
+    pub window_bypassed: AtomicU64,
+    pub failed: AtomicU64,
+}
+
+/// A snapshot of [`DedupStats`].
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct DedupCounts {
+    pub stored: u64,
+    pub duplicate_window: u64,
+    pub duplicate_unique_key: u64,
+    pub in_flight_conflicts: u64,
+    pub window_bypassed: u64,
+    pub failed: u64,
+}
+
+impl DedupStats {
+    pub fn snapshot(&self) -> DedupCounts {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        DedupCounts {
+            stored: get(&self.stored),
+            duplicate_window: get(&self.duplicate_window),
+            duplicate_unique_key: get(&self.duplicate_unique_key),
+            in_flight_conflicts: get(&self.in_flight_conflicts),
+            window_bypassed: get(&self.window_bypassed),
+            failed: get(&self.failed),
+        }
+    }
+}
+
+fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Decides sends for one ingest shard.
+pub struct Dedup {
+    window: Arc<dyn RecentWindow>,
+    store: Arc<dyn MessageStore>,
+    storage_timeout: Duration,
+    stats: DedupStats,
+}
+
+impl Dedup {
+    pub fn new(
+        window: Arc<dyn RecentWindow>,
+        store: Arc<dyn MessageStore>,
+        storage_timeout: Duration,
+    ) -> Self {
+        Self {
+            window,
+            store,
+            storage_timeout,
+            stats: DedupStats::default(),
+        }
+    }
+
+    pub fn stats(&self) -> &DedupStats {
+        &self.stats
+    }
+
+    /// Store `message` once, or recognise it as a repeat; either way, return
+    /// the ACK with the message's original server id and seq.
+    pub async fn send(&self, message: NewMessage) -> Result<Ack, Error> {
+        let key = message.key.clone();
+        let claim = match self.window.claim(&key).await {
+            Ok(claim) => Some(claim),
+            Err(e) => {
+                // The window is only a fast path: without it the unique key
+                // still decides, so keep sending.
+                bump(&self.stats.window_bypassed);
+                tracing::warn!(error = %e, "recent-id window unavailable, bypassing it");
+                None
+            }
+        };
+        let token = match claim {
+            Some(Claim::Seen(receipt)) => {
+                bump(&self.stats.duplicate_window);
+                return Ok(ack(&message, receipt, Outcome::DuplicateWindow));
+            }
+            Some(Claim::Owned(token)) => Some(token),
+            Some(Claim::InFlight) => {
+                bump(&self.stats.in_flight_conflicts);
+                None
+            }
+            None => None,
+        };
+
+        let inserted = self.insert(message.clone()).await;
+        match (&inserted, &token) {
+            (Ok(insert), Some(token)) => {
+                let receipt = insert.message().receipt;
+                if let Err(e) = self.window.remember(&key, token, receipt).await {
+                    tracing::warn!(error = %e, "cannot remember a stored id in the window");
+                }
+            }
+            (Err(_), Some(token)) => {
+                // Not stored: the next resend must be stored, not "seen".
+                if let Err(e) = self.window.release(&key, token).await {
+                    tracing::warn!(error = %e, "cannot release a failed claim");
+                }
+            }
+            (_, None) => {}
+        }
+        match inserted {
+            Ok(Insert::Stored(row)) => {
+                bump(&self.stats.stored);
+                Ok(ack(&message, row.receipt, Outcome::Stored))
+            }
+            Ok(Insert::AlreadyStored(row)) => {
+                bump(&self.stats.duplicate_unique_key);
+                Ok(ack(&message, row.receipt, Outcome::DuplicateUniqueKey))
+            }
+            Err(e) => {
+                bump(&self.stats.failed);
+                Err(e)
+            }
+        }
+    }
+
+    async fn insert(&self, message: NewMessage) -> Result<Insert, Error> {
+        match tokio::time::timeout(self.storage_timeout, self.store.insert_once(message)).await {
+            Ok(result) => result,
+            Err(_) => Err(Error::new(
+                ErrorKind::DeadlineExceeded,
+                format!("storage did not answer within {:?}", self.storage_timeout),
+            )),
+        }
+    }
+}
+
+fn ack(message: &NewMessage, receipt: Receipt, outcome: Outcome) -> Ack {
+    Ack {
+        client_msg_id: message.key.client_msg_id.clone(),
+        receipt,
+        outcome,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use async_trait::async_trait;
+    use imdedup_core::{
+        model::{
+            Body, ClientMsgId, ConversationId, HistoryQuery, MessageKey, Sender, StoredMessage,
+        },
+        window::ClaimToken,
+    };
+
+    use super::*;
+    use crate::window::{MemoryWindow, MemoryWindowOptions};
+
+    /// A store in memory that can be told to fail its next inserts.
+    #[derive(Default)]
+    struct FlakyStore {
+        rows: Mutex<Vec<StoredMessage>>,
+        failures_left: Mutex<u32>,
+    }
+
+    #[async_trait]
+    impl MessageStore for FlakyStore {
+        async fn insert_once(&self, m: NewMessage) -> Result<Insert, Error> {
+            {
+                let mut left = self.failures_left.lock().unwrap();
+                if *left > 0 {
+                    *left -= 1;
+                    return Err(Error::unavailable("injected failure"));
+                }
+            }
+            let mut rows = self.rows.lock().unwrap();
+            if let Some(row) = rows.iter().find(|r| r.key == m.key) {
+                return Ok(Insert::AlreadyStored(row.clone()));
+            }
+            let n = rows.len() as u64 + 1;
+            let row = StoredMessage {
+                key: m.key,
+                conversation: m.conversation,
+                body: m.body.into_string(),
+                receipt: Receipt { server_id: 100 + n, seq: n },
+                stored_at_ms: 0,
+            };
+            rows.push(row.clone());
+            Ok(Insert::Stored(row))
+        }
+
+        async fn lookup(&self, _: &MessageKey) -> Result<Option<StoredMessage>, Error> {
+            unreachable!("dedup never looks up")
+        }
+
+        async fn history(&self, _: &HistoryQuery) -> Result<Vec<StoredMessage>, Error> {
+            unreachable!("dedup never reads history")
+        }
+    }
+
+    /// A window whose backend is down.
+    struct DownWindow;
+
+    #[async_trait]
+    impl RecentWindow for DownWindow {
+        async fn claim(&self, _: &MessageKey) -> Result<Claim, Error> {
+            Err(Error::unavailable("window down"))
+        }
+        async fn remember(&self, _: &MessageKey, _: &ClaimToken, _: Receipt) -> Result<(), Error> {
+            Err(Error::unavailable("window down"))
+        }
+        async fn release(&self, _: &MessageKey, _: &ClaimToken) -> Result<(), Error> {
+            Err(Error::unavailable("window down"))
+        }
+    }
+
+    fn message(id: &str) -> NewMessage {
+        NewMessage {
+            key: MessageKey {
+                sender: Sender::parse("ana").unwrap(),
+                client_msg_id: ClientMsgId::parse(id.as_bytes().to_vec()).unwrap(),
+            },
+            conversation: ConversationId::parse("ana-ben").unwrap(),
+            body: Body::parse("hi", 100).unwrap(),
+        }
+    }
+
+    fn dedup(store: Arc<FlakyStore>) -> Dedup {
+        let window = Arc::new(MemoryWindow::new(MemoryWindowOptions::default()));
+        Dedup::new(window, store, Duration::from_secs(1))
+    }
+
+    #[tokio::test]
+    async fn a_failed_insert_does_not_make_the_resend_look_seen() {
+        let store = Arc::new(FlakyStore::default());
+        *store.failures_left.lock().unwrap() = 1;
+        let dedup = dedup(Arc::clone(&store));
+
+        let err = dedup.send(message("m1")).await.unwrap_err();
+        assert!(err.retryable());
+        let ack = dedup.send(message("m1")).await.unwrap();
+        assert_eq!(ack.outcome, Outcome::Stored);
+        assert_eq!(store.rows.lock().unwrap().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_repeat_gets_the_first_receipt_from_the_window() {
+        let store = Arc::new(FlakyStore::default());
+        let dedup = dedup(Arc::clone(&store));
+        let first = dedup.send(message("m1")).await.unwrap();
+        let again = dedup.send(message("m1")).await.unwrap();
+        assert_eq!(again.receipt, first.receipt);
+        assert_eq!(again.outcome, Outcome::DuplicateWindow);
+        assert_eq!(dedup.stats().snapshot().stored, 1);
+    }
+
+    #[tokio::test]
+    async fn with_the_window_down_the_store_still_decides() {
+        let store = Arc::new(FlakyStore::default());
+        let dedup = Dedup::new(Arc::new(DownWindow), store.clone(), Duration::from_secs(1));
+        let first = dedup.send(message("m1")).await.unwrap();
+        let again = dedup.send(message("m1")).await.unwrap();
+        assert_eq!(first.outcome, Outcome::Stored);
+        assert_eq!(again.outcome, Outcome::DuplicateUniqueKey);
+        assert_eq!(again.receipt, first.receipt);
+        assert_eq!(store.rows.lock().unwrap().len(), 1);
+        assert_eq!(dedup.stats().snapshot().window_bypassed, 2);
+    }
+}

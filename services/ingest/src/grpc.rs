@@ -1,0 +1,93 @@
+//! The gRPC face of the ingest: `imdedup.v1.IngestService`.
+
+use std::{pin::Pin, sync::Arc};
+
+use futures_util::{Stream, StreamExt};
+use imdedup_core::{Error, convert};
+use imdedup_proto::v1::{
+    self as pb,
+    ingest_service_server::{IngestService, IngestServiceServer},
+    send_response,
+};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::dedup::Dedup;
+
+/// Most sends one `SendStream` call may have undecided at once.
+const STREAM_IN_FLIGHT: usize = 1024;
+
+pub struct IngestGrpc {
+    dedup: Arc<Dedup>,
+    max_body_bytes: usize,
+}
+
+impl IngestGrpc {
+    pub fn new(dedup: Arc<Dedup>, max_body_bytes: usize) -> Self {
+        Self {
+            dedup,
+            max_body_bytes,
+        }
+    }
+
+    pub fn into_server(self) -> IngestServiceServer<Self> {
+        IngestServiceServer::new(self)
+    }
+}
+
+async fn decide(dedup: &Dedup, req: pb::SendRequest, max_body_bytes: usize) -> Result<pb::Ack, Error> {
+    let message = convert::send_request(req, max_body_bytes)?;
+    Ok(dedup.send(message).await?.into())
+}
+
+#[tonic::async_trait]
+impl IngestService for IngestGrpc {
+    async fn send(
+        &self,
+        request: Request<pb::SendRequest>,
+    ) -> Result<Response<pb::SendResponse>, Status> {
+        let req = request.into_inner();
+        let tag = req.tag;
+        let ack = decide(&self.dedup, req, self.max_body_bytes).await?;
+        Ok(Response::new(pb::SendResponse {
+            tag,
+            result: Some(send_response::Result::Ack(ack)),
+        }))
+    }
+
+    type SendStreamStream =
+        Pin<Box<dyn Stream<Item = Result<pb::SendResponse, Status>> + Send + 'static>>;
+
+    async fn send_stream(
+        &self,
+        request: Request<Streaming<pb::SendRequest>>,
+    ) -> Result<Response<Self::SendStreamStream>, Status> {
+        let mut incoming = request.into_inner();
+        let (tx, rx) = mpsc::channel(STREAM_IN_FLIGHT);
+        let dedup = Arc::clone(&self.dedup);
+        let max_body_bytes = self.max_body_bytes;
+        tokio::spawn(async move {
+            while let Some(next) = incoming.next().await {
+                let Ok(req) = next else { break };
+                // Reserve the reply slot first: this bounds sends in flight.
+                let Ok(slot) = tx.clone().reserve_owned().await else {
+                    break;
+                };
+                let dedup = Arc::clone(&dedup);
+                tokio::spawn(async move {
+                    let tag = req.tag;
+                    let result = match decide(&dedup, req, max_body_bytes).await {
+                        Ok(ack) => send_response::Result::Ack(ack),
+                        Err(e) => send_response::Result::Error(e.into()),
+                    };
+                    slot.send(Ok(pb::SendResponse {
+                        tag,
+                        result: Some(result),
+                    }));
+                });
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}

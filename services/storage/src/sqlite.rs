@@ -1,0 +1,347 @@
+//! The embedded store: SQLite on disk, with a real UNIQUE key on
+//! (sender, client_msg_id), WAL with `synchronous=FULL`, and group commit.
+//!
+//! One writer thread owns the write connection. It takes every insert that
+//! is waiting (up to `max_batch`), runs them in one transaction, each inside
+//! its own savepoint, commits once (one fsync for the batch), and only then
+//! answers each caller. A repeat rolls back its savepoint, so it never spends
+//! a seq. Reads use a small pool of separate connections.
+
+use std::{
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+    thread,
+    time::{SystemTime, UNIX_EPOCH},
+};
+
+use async_trait::async_trait;
+use imdedup_core::{
+    Error,
+    model::{
+        ClientMsgId, ConversationId, HistoryQuery, MessageKey, NewMessage, Receipt, Sender,
+        StoredMessage,
+    },
+    store::{Insert, MessageStore},
+};
+use rusqlite::{Connection, OpenFlags, OptionalExtension, Row, TransactionBehavior, params};
+use tokio::sync::{Semaphore, mpsc, oneshot};
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS messages (
+    server_id     INTEGER PRIMARY KEY,
+    sender        TEXT    NOT NULL,
+    client_msg_id BLOB    NOT NULL,
+    conversation  TEXT    NOT NULL,
+    seq           INTEGER NOT NULL,
+    body          TEXT    NOT NULL,
+    stored_at_ms  INTEGER NOT NULL,
+    UNIQUE (sender, client_msg_id),
+    UNIQUE (conversation, seq)
+);
+CREATE TABLE IF NOT EXISTS conversations (
+    conversation TEXT    PRIMARY KEY,
+    last_seq     INTEGER NOT NULL
+) WITHOUT ROWID;
+";
+
+const COLUMNS: &str = "sender, client_msg_id, conversation, body, server_id, seq, stored_at_ms";
+
+/// Settings of the embedded store.
+#[derive(Debug, Clone)]
+pub struct SqliteOptions {
+    /// The database file; its directory is created if missing.
+    pub path: PathBuf,
+    /// Most inserts committed in one transaction.
+    pub max_batch: usize,
+    /// Read connections for lookups and history.
+    pub readers: usize,
+}
+
+impl SqliteOptions {
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        Self {
+            path: path.into(),
+            max_batch: 512,
+            readers: 4,
+        }
+    }
+}
+
+struct WriteJob {
+    message: NewMessage,
+    reply: oneshot::Sender<Result<Insert, Error>>,
+}
+
+/// The embedded [`MessageStore`].
+pub struct SqliteStore {
+    writer: mpsc::Sender<WriteJob>,
+    readers: Arc<Mutex<Vec<Connection>>>,
+    /// One permit per pooled reader, so a read waits for a free connection.
+    reader_permits: Arc<Semaphore>,
+}
+
+impl SqliteStore {
+    /// Open (creating if needed) the database and start the writer thread.
+    pub fn open(options: &SqliteOptions) -> Result<Self, Error> {
+        if let Some(dir) = options.path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| {
+                Error::internal(format!("cannot create data directory {}: {e}", dir.display()))
+            })?;
+        }
+        let writer = open_connection(&options.path, false)?;
+        writer.execute_batch(SCHEMA).map_err(sql_error)?;
+        let readers = (0..options.readers.max(1))
+            .map(|_| open_connection(&options.path, true))
+            .collect::<Result<Vec<_>, _>>()?;
+
+        let (tx, rx) = mpsc::channel(options.max_batch.max(1) * 4);
+        let max_batch = options.max_batch.max(1);
+        thread::Builder::new()
+            .name("sqlite-writer".into())
+            .spawn(move || run_writer(writer, rx, max_batch))
+            .map_err(|e| Error::internal(format!("cannot start the writer thread: {e}")))?;
+        Ok(Self {
+            writer: tx,
+            reader_permits: Arc::new(Semaphore::new(readers.len())),
+            readers: Arc::new(Mutex::new(readers)),
+        })
+    }
+
+    async fn read<T, F>(&self, f: F) -> Result<T, Error>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+    {
+        let permit = Arc::clone(&self.reader_permits)
+            .acquire_owned()
+            .await
+            .map_err(|_| Error::unavailable("storage is closed"))?;
+        let readers = Arc::clone(&self.readers);
+        tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            let conn = readers
+                .lock()
+                .map_err(|_| Error::internal("reader pool poisoned"))?
+                .pop()
+                .ok_or_else(|| Error::internal("reader pool is empty despite a permit"))?;
+            let result = f(&conn).map_err(sql_error);
+            if let Ok(mut pool) = readers.lock() {
+                pool.push(conn);
+            }
+            result
+        })
+        .await
+        .map_err(|e| Error::internal(format!("storage read task failed: {e}")))?
+    }
+}
+
+fn open_connection(path: &Path, read_only: bool) -> Result<Connection, Error> {
+    let flags = if read_only {
+        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX
+    } else {
+        OpenFlags::SQLITE_OPEN_READ_WRITE
+            | OpenFlags::SQLITE_OPEN_CREATE
+            | OpenFlags::SQLITE_OPEN_NO_MUTEX
+    };
+    let conn = Connection::open_with_flags(path, flags).map_err(|e| {
+        Error::internal(format!("cannot open database {}: {e}", path.display()))
+    })?;
+    conn.busy_timeout(std::time::Duration::from_secs(5))
+        .map_err(sql_error)?;
+    if !read_only {
+        // WAL lets readers run beside the writer; FULL makes every commit
+        // durable before the ACK goes out.
+        conn.execute_batch("PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;")
+            .map_err(sql_error)?;
+    }
+    Ok(conn)
+}
+
+fn sql_error(e: rusqlite::Error) -> Error {
+    Error::internal(format!("sqlite: {e}"))
+}
+
+fn run_writer(mut conn: Connection, mut jobs: mpsc::Receiver<WriteJob>, max_batch: usize) {
+    let mut batch = Vec::with_capacity(max_batch);
+    while let Some(first) = jobs.blocking_recv() {
+        batch.push(first);
+        while batch.len() < max_batch {
+            match jobs.try_recv() {
+                Ok(job) => batch.push(job),
+                Err(_) => break,
+            }
+        }
+        match write_batch(&mut conn, &batch) {
+            Ok(results) => {
+                for (job, result) in batch.drain(..).zip(results) {
+                    // The caller may have given up (deadline); the row stays.
+                    let _ = job.reply.send(result);
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, batch = batch.len(), "group commit failed");
+                let err = sql_error(e);
+                for job in batch.drain(..) {
+                    let _ = job.reply.send(Err(err.clone()));
+                }
+            }
+        }
+    }
+    tracing::debug!("sqlite writer stopped");
+}
+
+/// One transaction for the whole batch; a per-message savepoint so that a
+/// repeat (or a per-message failure) undoes only its own work.
+fn write_batch(
+    conn: &mut Connection,
+    batch: &[WriteJob],
+) -> rusqlite::Result<Vec<Result<Insert, Error>>> {
+    let mut tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let now_ms = unix_millis();
+    let mut results = Vec::with_capacity(batch.len());
+    for job in batch {
+        let mut savepoint = tx.savepoint()?;
+        match insert_one(&savepoint, &job.message, now_ms) {
+            Ok(stored) => {
+                savepoint.commit()?;
+                results.push(Ok(Insert::Stored(stored)));
+            }
+            Err(e) if is_unique_violation(&e) => {
+                savepoint.rollback()?;
+                drop(savepoint);
+                let original = select_by_key(&tx, &job.message.key)?;
+                results.push(match original {
+                    Some(row) => Ok(Insert::AlreadyStored(row)),
+                    None => Err(Error::internal(format!(
+                        "unique key violated but no row found: {e}"
+                    ))),
+                });
+            }
+            Err(e) => {
+                savepoint.rollback()?;
+                results.push(Err(sql_error(e)));
+            }
+        }
+    }
+    tx.commit()?;
+    Ok(results)
+}
+
+fn insert_one(
+    conn: &Connection,
+    message: &NewMessage,
+    now_ms: i64,
+) -> rusqlite::Result<StoredMessage> {
+    let seq: i64 = conn
+        .prepare_cached(
+            "INSERT INTO conversations (conversation, last_seq) VALUES (?1, 1)
+             ON CONFLICT (conversation) DO UPDATE SET last_seq = last_seq + 1
+             RETURNING last_seq",
+        )?
+        .query_row(params![message.conversation.as_str()], |row| row.get(0))?;
+    conn.prepare_cached(
+        "INSERT INTO messages (sender, client_msg_id, conversation, seq, body, stored_at_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+    )?
+    .execute(params![
+        message.key.sender.as_str(),
+        message.key.client_msg_id.as_bytes(),
+        message.conversation.as_str(),
+        seq,
+        message.body.as_str(),
+        now_ms,
+    ])?;
+    Ok(StoredMessage {
+        key: message.key.clone(),
+        conversation: message.conversation.clone(),
+        body: message.body.as_str().to_owned(),
+        receipt: Receipt {
+            server_id: u64::try_from(conn.last_insert_rowid()).unwrap_or_default(),
+            seq: u64::try_from(seq).unwrap_or_default(),
+        },
+        stored_at_ms: now_ms,
+    })
+}
+
+fn is_unique_violation(e: &rusqlite::Error) -> bool {
+    matches!(
+        e,
+        rusqlite::Error::SqliteFailure(err, _)
+            if err.extended_code == rusqlite::ffi::SQLITE_CONSTRAINT_UNIQUE
+    )
+}
+
+fn select_by_key(conn: &Connection, key: &MessageKey) -> rusqlite::Result<Option<StoredMessage>> {
+    conn.prepare_cached(&format!(
+        "SELECT {COLUMNS} FROM messages WHERE sender = ?1 AND client_msg_id = ?2"
+    ))?
+    .query_row(
+        params![key.sender.as_str(), key.client_msg_id.as_bytes()],
+        row_to_message,
+    )
+    .optional()
+}
+
+fn row_to_message(row: &Row<'_>) -> rusqlite::Result<StoredMessage> {
+    let bad = |i: usize, e: Error| {
+        rusqlite::Error::FromSqlConversionFailure(i, rusqlite::types::Type::Text, Box::new(e))
+    };
+    let server_id: i64 = row.get(4)?;
+    let seq: i64 = row.get(5)?;
+    Ok(StoredMessage {
+        key: MessageKey {
+            sender: Sender::parse(row.get::<_, String>(0)?).map_err(|e| bad(0, e))?,
+            client_msg_id: ClientMsgId::parse(row.get::<_, Vec<u8>>(1)?)
+                .map_err(|e| bad(1, e))?,
+        },
+        conversation: ConversationId::parse(row.get::<_, String>(2)?).map_err(|e| bad(2, e))?,
+        body: row.get(3)?,
+        receipt: Receipt {
+            server_id: u64::try_from(server_id).unwrap_or_default(),
+            seq: u64::try_from(seq).unwrap_or_default(),
+        },
+        stored_at_ms: row.get(6)?,
+    })
+}
+
+fn unix_millis() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+#[async_trait]
+impl MessageStore for SqliteStore {
+    async fn insert_once(&self, message: NewMessage) -> Result<Insert, Error> {
+        let (reply, answer) = oneshot::channel();
+        self.writer
+            .send(WriteJob { message, reply })
+            .await
+            .map_err(|_| Error::unavailable("storage writer has stopped"))?;
+        answer
+            .await
+            .map_err(|_| Error::unavailable("storage writer has stopped"))?
+    }
+
+    async fn lookup(&self, key: &MessageKey) -> Result<Option<StoredMessage>, Error> {
+        let key = key.clone();
+        self.read(move |conn| select_by_key(conn, &key)).await
+    }
+
+    async fn history(&self, query: &HistoryQuery) -> Result<Vec<StoredMessage>, Error> {
+        let query = query.clone();
+        self.read(move |conn| {
+            let mut stmt = conn.prepare_cached(&format!(
+                "SELECT {COLUMNS} FROM messages WHERE conversation = ?1 AND seq > ?2
+                 ORDER BY seq LIMIT ?3"
+            ))?;
+            let after = i64::try_from(query.after_seq).unwrap_or(i64::MAX);
+            stmt.query_map(
+                params![query.conversation.as_str(), after, query.limit],
+                row_to_message,
+            )?
+            .collect()
+        })
+        .await
+    }
+}
