@@ -38,8 +38,8 @@ now() { date +%s.%N; }
 elapsed() { LC_ALL=C awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
 
 usage() {
-  sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
-  exit 2
+  sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+  exit "${1:-2}"
 }
 
 # ---------------------------------------------------------------- utilities
@@ -464,8 +464,11 @@ cass_wait() { # DIR PORT T0
     fi
     cass_ready "$port" && break
     if [ "$SECONDS" -ge "$deadline" ]; then
+      log "cassandra not answering CQL after ${START_TIMEOUT}s; last log lines:"
       tail -n 25 "$dir/logs/system.log" >&2 2>/dev/null || true
-      die "cassandra not answering CQL on $HOST:$port after ${START_TIMEOUT}s (logs: $dir/logs/system.log); it is still running, see '$0 down'"
+      local pid
+      if pid=$(pid_of "$dir" cassandra); then stop_pid "$pid" cassandra 10; fi
+      die "cassandra not answering CQL on $HOST:$port after ${START_TIMEOUT}s, stopped it (logs: $dir/logs/system.log; raise IMDEDUP_START_TIMEOUT if the machine is just slow)"
     fi
     sleep 0.5
   done
@@ -591,7 +594,7 @@ main() {
     status) cmd_status ;;
     env) print_env ;;
     cql) cmd_cql "$@" ;;
-    -h|--help|help) usage ;;
+    -h|--help|help) usage 0 ;;
     *) log "unknown command: $cmd"; usage ;;
   esac
 }

@@ -3,6 +3,10 @@
 //!
 //! Nothing here is validated: handlers convert these types into the domain
 //! types of `imdedup-core` once, at the edge.
+//!
+//! [`json`] holds the JSON text frames of the client protocol.
+
+pub mod json;
 
 /// Version 1 of the protocol, package `imdedup.v1`.
 pub mod v1 {

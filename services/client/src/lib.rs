@@ -1,0 +1,402 @@
+//! A phone-side client of the gateway's WebSocket protocol, in JSON text or
+//! protobuf binary frames. Several sends may be in flight on one connection;
+//! replies are matched to their send by client message ID and to their
+//! history pull by `ref`.
+//!
+//! Used by the demo, the load-test driver and the integration tests. It
+//! delivers what arrives; simulating a lost ACK is the caller's business.
+
+use std::{
+    collections::{HashMap, VecDeque},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+};
+
+use futures_util::{SinkExt, StreamExt};
+use imdedup_proto::{
+    json::{self, ClientJson, ServerJson},
+    v1::{self as pb, client_frame, server_frame},
+};
+use prost::Message as _;
+use tokio::sync::{mpsc, oneshot};
+use tokio_tungstenite::tungstenite::{self, Message, client::IntoClientRequest, http};
+
+/// How this client encodes its frames.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Encoding {
+    Json,
+    Protobuf,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("cannot connect: {0}")]
+    Connect(String),
+    #[error("the gateway refused the connection with HTTP {status}: {body}")]
+    Refused { status: u16, body: String },
+    #[error("the connection is closed")]
+    Closed,
+}
+
+/// An ACK as the phone sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AckReply {
+    pub id: Vec<u8>,
+    pub server_id: u64,
+    pub seq: u64,
+    pub duplicate: bool,
+    /// `stored`, `duplicate_window` or `duplicate_unique_key`.
+    pub outcome: String,
+}
+
+/// An error frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ErrorReply {
+    pub id: Option<Vec<u8>>,
+    pub reference: Option<String>,
+    /// `invalid_argument`, `unauthenticated`, `unavailable`, …
+    pub code: String,
+    pub retryable: bool,
+    pub message: String,
+}
+
+/// One stored message in a history page.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HistoryMessage {
+    pub sender: String,
+    pub id: Vec<u8>,
+    pub server_id: u64,
+    pub seq: u64,
+    pub body: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HistoryPage {
+    pub reference: Option<String>,
+    pub conversation: String,
+    pub messages: Vec<HistoryMessage>,
+}
+
+/// Any frame from the gateway.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    Ack(AckReply),
+    Error(ErrorReply),
+    History(HistoryPage),
+}
+
+type Waiter = oneshot::Sender<Reply>;
+
+#[derive(Default)]
+struct Pending {
+    sends: HashMap<Vec<u8>, VecDeque<Waiter>>,
+    pulls: HashMap<String, Waiter>,
+}
+
+/// One connection to the gateway.
+pub struct Client {
+    encoding: Encoding,
+    out: mpsc::Sender<Message>,
+    pending: Arc<Mutex<Pending>>,
+    unmatched: tokio::sync::Mutex<mpsc::UnboundedReceiver<Reply>>,
+    next_ref: AtomicU64,
+}
+
+impl Client {
+    /// Connect to `url` (`ws://host:port/v1/ws`) with `token`.
+    pub async fn connect(url: &str, token: &str, encoding: Encoding) -> Result<Self, ClientError> {
+        let mut request = url
+            .into_client_request()
+            .map_err(|e| ClientError::Connect(e.to_string()))?;
+        let bearer = http::HeaderValue::from_str(&format!("Bearer {token}"))
+            .map_err(|e| ClientError::Connect(e.to_string()))?;
+        request.headers_mut().insert(http::header::AUTHORIZATION, bearer);
+        let (socket, _) = match tokio_tungstenite::connect_async(request).await {
+            Ok(ok) => ok,
+            Err(tungstenite::Error::Http(response)) => {
+                let status = response.status().as_u16();
+                let body = response
+                    .body()
+                    .as_ref()
+                    .map(|b| String::from_utf8_lossy(b).into_owned())
+                    .unwrap_or_default();
+                return Err(ClientError::Refused { status, body });
+            }
+            Err(e) => return Err(ClientError::Connect(e.to_string())),
+        };
+        let (mut sink, mut stream) = socket.split();
+        let (out, mut outgoing) = mpsc::channel::<Message>(1024);
+        tokio::spawn(async move {
+            while let Some(message) = outgoing.recv().await {
+                if sink.send(message).await.is_err() {
+                    break;
+                }
+            }
+            let _ = sink.close().await;
+        });
+        let pending = Arc::new(Mutex::new(Pending::default()));
+        let (unmatched_tx, unmatched) = mpsc::unbounded_channel();
+        let reader_pending = Arc::clone(&pending);
+        tokio::spawn(async move {
+            while let Some(Ok(message)) = stream.next().await {
+                let reply = match message {
+                    Message::Text(text) => parse_json(text.as_bytes()),
+                    Message::Binary(bytes) => parse_protobuf(&bytes),
+                    Message::Close(_) => break,
+                    _ => continue,
+                };
+                let Some(reply) = reply else { continue };
+                if let Some(reply) = dispatch(&reader_pending, reply) {
+                    let _ = unmatched_tx.send(reply);
+                }
+            }
+            // Wake every waiter: the connection is gone.
+            if let Ok(mut p) = reader_pending.lock() {
+                p.sends.clear();
+                p.pulls.clear();
+            }
+        });
+        Ok(Self {
+            encoding,
+            out,
+            pending,
+            unmatched: tokio::sync::Mutex::new(unmatched),
+            next_ref: AtomicU64::new(1),
+        })
+    }
+
+    /// Send a message and wait for its reply: an ACK or an error frame.
+    pub async fn send(
+        &self,
+        id: &[u8],
+        conversation: &str,
+        body: &str,
+    ) -> Result<Result<AckReply, ErrorReply>, ClientError> {
+        let frame = match self.encoding {
+            Encoding::Json => {
+                let (id_text, id_b64) = json::id_to_json(id, false);
+                json_message(&ClientJson::Send(json::SendJson {
+                    id: id_text,
+                    id_b64,
+                    conversation: conversation.to_owned(),
+                    body: body.to_owned(),
+                }))
+            }
+            Encoding::Protobuf => protobuf_message(client_frame::Kind::Send(pb::SendFrame {
+                client_msg_id: id.to_vec(),
+                conversation: conversation.to_owned(),
+                body: body.to_owned(),
+            })),
+        };
+        let (tx, rx) = oneshot::channel();
+        self.lock()
+            .sends
+            .entry(id.to_vec())
+            .or_default()
+            .push_back(tx);
+        self.out.send(frame).await.map_err(|_| ClientError::Closed)?;
+        match rx.await.map_err(|_| ClientError::Closed)? {
+            Reply::Ack(ack) => Ok(Ok(ack)),
+            Reply::Error(e) => Ok(Err(e)),
+            Reply::History(_) => Err(ClientError::Closed),
+        }
+    }
+
+    /// Pull up to `limit` messages of `conversation` with seq > `after_seq`.
+    pub async fn history(
+        &self,
+        conversation: &str,
+        after_seq: u64,
+        limit: u32,
+    ) -> Result<Result<HistoryPage, ErrorReply>, ClientError> {
+        let reference = format!("h{}", self.next_ref.fetch_add(1, Ordering::Relaxed));
+        let frame = match self.encoding {
+            Encoding::Json => json_message(&ClientJson::History(json::HistoryJson {
+                conversation: conversation.to_owned(),
+                after_seq,
+                limit,
+                reference: Some(reference.clone()),
+            })),
+            Encoding::Protobuf => protobuf_message(client_frame::Kind::History(pb::HistoryFrame {
+                conversation: conversation.to_owned(),
+                after_seq,
+                limit,
+                r#ref: reference.clone(),
+            })),
+        };
+        let (tx, rx) = oneshot::channel();
+        self.lock().pulls.insert(reference, tx);
+        self.out.send(frame).await.map_err(|_| ClientError::Closed)?;
+        match rx.await.map_err(|_| ClientError::Closed)? {
+            Reply::History(page) => Ok(Ok(page)),
+            Reply::Error(e) => Ok(Err(e)),
+            Reply::Ack(_) => Err(ClientError::Closed),
+        }
+    }
+
+    /// Every stored message of `conversation`, following pages to the end.
+    pub async fn full_history(&self, conversation: &str) -> Result<Result<Vec<HistoryMessage>, ErrorReply>, ClientError> {
+        let mut all = Vec::new();
+        let mut after = 0;
+        loop {
+            let page = match self.history(conversation, after, 1000).await? {
+                Ok(page) => page,
+                Err(e) => return Ok(Err(e)),
+            };
+            let Some(last) = page.messages.last() else {
+                return Ok(Ok(all));
+            };
+            after = last.seq;
+            all.extend(page.messages);
+        }
+    }
+
+    /// Send a raw frame (for testing how the gateway treats bad input).
+    pub async fn send_raw(&self, message: Message) -> Result<(), ClientError> {
+        self.out.send(message).await.map_err(|_| ClientError::Closed)
+    }
+
+    /// The next reply that matched no send or pull in flight, such as the
+    /// error for a frame sent with [`Client::send_raw`]. `None` once the
+    /// connection is closed.
+    pub async fn next_unmatched(&self) -> Option<Reply> {
+        self.unmatched.lock().await.recv().await
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Pending> {
+        self.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+fn dispatch(pending: &Mutex<Pending>, reply: Reply) -> Option<Reply> {
+    let mut pending = pending.lock().unwrap_or_else(|p| p.into_inner());
+    let waiter = match &reply {
+        Reply::Ack(AckReply { id, .. }) | Reply::Error(ErrorReply { id: Some(id), .. }) => {
+            pending.sends.get_mut(id).and_then(VecDeque::pop_front)
+        }
+        Reply::Error(ErrorReply {
+            reference: Some(r), ..
+        })
+        | Reply::History(HistoryPage {
+            reference: Some(r), ..
+        }) => pending.pulls.remove(r),
+        _ => None,
+    };
+    match waiter {
+        Some(waiter) => {
+            let _ = waiter.send(reply);
+            None
+        }
+        None => Some(reply),
+    }
+}
+
+fn json_message(frame: &ClientJson) -> Message {
+    Message::Text(serde_json::to_string(frame).unwrap_or_default().into())
+}
+
+fn protobuf_message(kind: client_frame::Kind) -> Message {
+    Message::Binary(pb::ClientFrame { kind: Some(kind) }.encode_to_vec().into())
+}
+
+fn id_bytes(id: Option<String>, id_b64: Option<String>) -> Option<Vec<u8>> {
+    json::id_from_json(id.as_deref(), id_b64.as_deref()).ok()
+}
+
+fn parse_json(bytes: &[u8]) -> Option<Reply> {
+    let frame: ServerJson = serde_json::from_slice(bytes).ok()?;
+    Some(match frame {
+        ServerJson::Ack(a) => Reply::Ack(AckReply {
+            id: id_bytes(a.id, a.id_b64)?,
+            server_id: a.server_id.parse().ok()?,
+            seq: a.seq,
+            duplicate: a.duplicate,
+            outcome: a.outcome,
+        }),
+        ServerJson::Error(e) => Reply::Error(ErrorReply {
+            id: id_bytes(e.id, e.id_b64),
+            reference: e.reference,
+            code: e.code,
+            retryable: e.retryable,
+            message: e.message,
+        }),
+        ServerJson::History(h) => Reply::History(HistoryPage {
+            reference: h.reference,
+            conversation: h.conversation,
+            messages: h
+                .messages
+                .into_iter()
+                .map(|m| {
+                    Some(HistoryMessage {
+                        id: id_bytes(m.id, m.id_b64)?,
+                        sender: m.sender,
+                        server_id: m.server_id.parse().ok()?,
+                        seq: m.seq,
+                        body: m.body,
+                    })
+                })
+                .collect::<Option<_>>()?,
+        }),
+    })
+}
+
+fn outcome_name(outcome: i32) -> String {
+    match pb::Outcome::try_from(outcome).unwrap_or(pb::Outcome::Unspecified) {
+        pb::Outcome::Stored => "stored",
+        pb::Outcome::DuplicateWindow => "duplicate_window",
+        pb::Outcome::DuplicateUniqueKey => "duplicate_unique_key",
+        pb::Outcome::Unspecified => "unspecified",
+    }
+    .to_owned()
+}
+
+fn code_name(code: i32) -> String {
+    match pb::ErrorCode::try_from(code).unwrap_or(pb::ErrorCode::Unspecified) {
+        pb::ErrorCode::InvalidArgument => "invalid_argument",
+        pb::ErrorCode::Unauthenticated => "unauthenticated",
+        pb::ErrorCode::Unavailable => "unavailable",
+        pb::ErrorCode::DeadlineExceeded => "deadline_exceeded",
+        pb::ErrorCode::Overloaded => "overloaded",
+        pb::ErrorCode::Internal | pb::ErrorCode::Unspecified => "internal",
+    }
+    .to_owned()
+}
+
+fn parse_protobuf(bytes: &[u8]) -> Option<Reply> {
+    let frame = pb::ServerFrame::decode(bytes).ok()?;
+    Some(match frame.kind? {
+        server_frame::Kind::Ack(a) => Reply::Ack(AckReply {
+            id: a.client_msg_id,
+            server_id: a.server_id,
+            seq: a.seq,
+            duplicate: a.duplicate,
+            outcome: outcome_name(a.outcome),
+        }),
+        server_frame::Kind::Error(e) => Reply::Error(ErrorReply {
+            id: (!e.client_msg_id.is_empty()).then_some(e.client_msg_id),
+            reference: (!e.r#ref.is_empty()).then_some(e.r#ref),
+            code: code_name(e.code),
+            retryable: e.retryable,
+            message: e.message,
+        }),
+        server_frame::Kind::History(h) => Reply::History(HistoryPage {
+            reference: (!h.r#ref.is_empty()).then_some(h.r#ref),
+            conversation: h.conversation,
+            messages: h
+                .messages
+                .into_iter()
+                .map(|m| HistoryMessage {
+                    sender: m.sender,
+                    id: m.client_msg_id,
+                    server_id: m.server_id,
+                    seq: m.seq,
+                    body: m.body,
+                })
+                .collect(),
+        }),
+    })
+}
+
+pub use tokio_tungstenite::tungstenite::Message as RawMessage;

@@ -1,0 +1,246 @@
+//! A whole imdedup cluster on loopback, in one process: storage, N ingest
+//! shards and a gateway, each a real gRPC or WebSocket server on its own
+//! port, wired exactly as in production. The demo, the dev command, the load
+//! test's `--embedded` mode and the integration tests all start this.
+
+use std::{
+    net::SocketAddr,
+    path::PathBuf,
+    sync::Arc,
+    time::Duration,
+};
+
+use anyhow::Context;
+use imdedup_core::{
+    clock::SharedClock,
+    model::{DEFAULT_MAX_BODY_BYTES, Sender},
+    remote_store::RemoteStore,
+    store::MessageStore,
+    token::TokenKey,
+};
+use imdedup_gateway::{Gateway, GatewayConfig};
+use imdedup_ingest::{Dedup, DedupCounts, MemoryWindow, MemoryWindowOptions};
+use imdedup_storage::{SqliteOptions, SqliteStore};
+use tokio::{net::TcpListener, task::JoinHandle};
+use tokio_util::sync::CancellationToken;
+
+/// The secret behind [`LocalCluster::token`]: for local use only.
+pub const DEV_TOKEN_SECRET: &str = "imdedup-local-dev-secret-not-for-production";
+
+#[derive(Clone)]
+pub struct ClusterOptions {
+    /// Where the embedded database lives.
+    pub data_dir: PathBuf,
+    /// Number of ingest shards.
+    pub shards: usize,
+    pub window: MemoryWindowOptions,
+    pub clock: SharedClock,
+    pub token_secret: String,
+    pub send_timeout: Duration,
+    pub storage_timeout: Duration,
+    pub max_body_bytes: usize,
+    /// Gateway address; port 0 picks a free one.
+    pub gateway_addr: SocketAddr,
+}
+
+impl ClusterOptions {
+    pub fn new(data_dir: impl Into<PathBuf>, clock: SharedClock) -> Self {
+        Self {
+            data_dir: data_dir.into(),
+            shards: 2,
+            window: MemoryWindowOptions::default(),
+            clock,
+            token_secret: DEV_TOKEN_SECRET.to_owned(),
+            send_timeout: Duration::from_secs(5),
+            storage_timeout: Duration::from_secs(2),
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            gateway_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+        }
+    }
+}
+
+/// A server task and the token that stops it.
+struct Running {
+    stop: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+impl Running {
+    async fn stop(self) {
+        self.stop.cancel();
+        let _ = self.task.await;
+    }
+}
+
+/// A running local cluster.
+pub struct LocalCluster {
+    options: ClusterOptions,
+    token_key: TokenKey,
+    storage_addr: SocketAddr,
+    storage: Option<Running>,
+    ingest_addrs: Vec<SocketAddr>,
+    ingests: Vec<(Running, Arc<Dedup>)>,
+    gateway_addr: SocketAddr,
+    gateway: Running,
+}
+
+fn spawn<F, E>(name: &'static str, serve: impl FnOnce(CancellationToken) -> F) -> Running
+where
+    F: Future<Output = Result<(), E>> + Send + 'static,
+    E: std::fmt::Display,
+{
+    let stop = CancellationToken::new();
+    let future = serve(stop.clone());
+    let task = tokio::spawn(async move {
+        if let Err(e) = future.await {
+            tracing::error!(service = name, error = %e, "server stopped with an error");
+        }
+    });
+    Running { stop, task }
+}
+
+async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))
+}
+
+impl LocalCluster {
+    pub async fn start(options: ClusterOptions) -> anyhow::Result<Self> {
+        let token_key = TokenKey::new(options.token_secret.clone())?;
+
+        let storage_listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
+        let storage_addr = storage_listener.local_addr()?;
+        let storage = Some(start_storage(&options, storage_listener)?);
+        let storage_url = format!("http://{storage_addr}");
+
+        let mut ingest_addrs = Vec::new();
+        let mut ingests = Vec::new();
+        for _ in 0..options.shards.max(1) {
+            let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
+            ingest_addrs.push(listener.local_addr()?);
+            let store: Arc<dyn MessageStore> =
+                Arc::new(RemoteStore::connect_lazy(&storage_url, options.storage_timeout)?);
+            let window = Arc::new(MemoryWindow::with_clock(
+                options.window.clone(),
+                Arc::clone(&options.clock),
+            ));
+            let dedup = Arc::new(Dedup::new(window, store, options.storage_timeout));
+            let serving = Arc::clone(&dedup);
+            let max_body = options.max_body_bytes;
+            let running = spawn("ingest", move |stop| {
+                imdedup_ingest::serve(listener, serving, max_body, stop)
+            });
+            ingests.push((running, dedup));
+        }
+
+        let gateway_listener = bind(options.gateway_addr).await?;
+        let gateway_addr = gateway_listener.local_addr()?;
+        let gateway = Arc::new(Gateway::new(GatewayConfig {
+            shards: ingest_addrs.iter().map(|a| format!("http://{a}")).collect(),
+            storage: storage_url,
+            token_key: token_key.clone(),
+            send_timeout: options.send_timeout,
+            max_body_bytes: options.max_body_bytes,
+            max_connections: 10_000,
+            max_in_flight_per_connection: 256,
+            clock: Arc::clone(&options.clock),
+        })?);
+        let gateway = spawn("gateway", move |stop| {
+            imdedup_gateway::serve(gateway_listener, gateway, stop)
+        });
+
+        Ok(Self {
+            options,
+            token_key,
+            storage_addr,
+            storage,
+            ingest_addrs,
+            ingests,
+            gateway_addr,
+            gateway,
+        })
+    }
+
+    /// The phones' WebSocket URL.
+    pub fn gateway_url(&self) -> String {
+        format!("ws://{}/v1/ws", self.gateway_addr)
+    }
+
+    pub fn gateway_addr(&self) -> SocketAddr {
+        self.gateway_addr
+    }
+
+    /// `http://…` URLs of the ingest shards' gRPC servers.
+    pub fn ingest_urls(&self) -> Vec<String> {
+        self.ingest_addrs.iter().map(|a| format!("http://{a}")).collect()
+    }
+
+    /// `http://…` URL of the storage gRPC server.
+    pub fn storage_url(&self) -> String {
+        format!("http://{}", self.storage_addr)
+    }
+
+    /// A token for `user`, valid for a day of the cluster's clock.
+    pub fn token(&self, user: &str) -> anyhow::Result<String> {
+        self.token_valid_for(user, Duration::from_secs(86_400))
+    }
+
+    pub fn token_valid_for(&self, user: &str, ttl: Duration) -> anyhow::Result<String> {
+        let sender = Sender::parse(user)?;
+        let exp = self.options.clock.unix_seconds() + ttl.as_secs();
+        Ok(self.token_key.mint(&sender, exp))
+    }
+
+    /// What the ingest shards decided, summed.
+    pub fn dedup_counts(&self) -> DedupCounts {
+        self.ingests
+            .iter()
+            .map(|(_, dedup)| dedup.stats().snapshot())
+            .fold(DedupCounts::default(), |a, b| DedupCounts {
+                stored: a.stored + b.stored,
+                duplicate_window: a.duplicate_window + b.duplicate_window,
+                duplicate_unique_key: a.duplicate_unique_key + b.duplicate_unique_key,
+                in_flight_conflicts: a.in_flight_conflicts + b.in_flight_conflicts,
+                window_bypassed: a.window_bypassed + b.window_bypassed,
+                failed: a.failed + b.failed,
+            })
+    }
+
+    /// Stop the storage server (the database stays on disk).
+    pub async fn stop_storage(&mut self) {
+        if let Some(storage) = self.storage.take() {
+            storage.stop().await;
+        }
+    }
+
+    /// Start storage again on the same port and database.
+    pub async fn restart_storage(&mut self) -> anyhow::Result<()> {
+        self.stop_storage().await;
+        // The old writer thread lets go of the file once its queue closes.
+        let listener = bind(self.storage_addr).await?;
+        self.storage = Some(start_storage(&self.options, listener)?);
+        Ok(())
+    }
+
+    /// Stop every server, gateway first, and wait for them.
+    pub async fn shutdown(self) {
+        self.gateway.stop().await;
+        for (ingest, _) in self.ingests {
+            ingest.stop().await;
+        }
+        if let Some(storage) = self.storage {
+            storage.stop().await;
+        }
+    }
+}
+
+fn start_storage(options: &ClusterOptions, listener: TcpListener) -> anyhow::Result<Running> {
+    let store: Arc<dyn MessageStore> = Arc::new(
+        SqliteStore::open(&SqliteOptions::new(options.data_dir.join("messages.db")))
+            .context("cannot open the embedded database")?,
+    );
+    Ok(spawn("storage", move |stop| {
+        imdedup_storage::serve(listener, store, stop)
+    }))
+}

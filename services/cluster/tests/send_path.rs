@@ -1,0 +1,286 @@
+//! The send path end to end, through the real WebSocket gateway, the real
+//! gRPC ingest shards and the real storage on SQLite.
+
+use std::{sync::Arc, time::Duration};
+
+use imdedup_client::{Client, Encoding, RawMessage, Reply};
+use imdedup_cluster::{ClusterOptions, LocalCluster};
+use imdedup_core::clock::ManualClock;
+use imdedup_ingest::window::DEFAULT_WINDOW_TTL;
+use imdedup_proto::v1::{self as pb, ingest_service_client::IngestServiceClient, send_response};
+
+struct Harness {
+    cluster: LocalCluster,
+    clock: ManualClock,
+    _dir: tempfile::TempDir,
+}
+
+async fn start() -> Harness {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new();
+    let cluster = LocalCluster::start(ClusterOptions::new(dir.path(), Arc::new(clock.clone())))
+        .await
+        .unwrap();
+    Harness {
+        cluster,
+        clock,
+        _dir: dir,
+    }
+}
+
+async fn connect(h: &Harness, user: &str, encoding: Encoding) -> Client {
+    let token = h.cluster.token(user).unwrap();
+    Client::connect(&h.cluster.gateway_url(), &token, encoding)
+        .await
+        .unwrap()
+}
+
+async fn rows(client: &Client, conversation: &str) -> Vec<imdedup_client::HistoryMessage> {
+    client.full_history(conversation).await.unwrap().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resend_after_a_lost_ack_gets_the_same_ack_and_stores_one_row() {
+    let h = start().await;
+    let ana = connect(&h, "ana", Encoding::Json).await;
+
+    let first = ana.send(b"m-7", "ana-ben", "I'm downstairs").await.unwrap().unwrap();
+    // The ACK is "lost": the phone resends the same ID.
+    let again = ana.send(b"m-7", "ana-ben", "I'm downstairs").await.unwrap().unwrap();
+
+    assert!(!first.duplicate);
+    assert!(again.duplicate);
+    assert_eq!(again.outcome, "duplicate_window");
+    assert_eq!((again.server_id, again.seq), (first.server_id, first.seq));
+    let stored = rows(&ana, "ana-ben").await;
+    assert_eq!(stored.len(), 1);
+    assert_eq!(stored[0].body, "I'm downstairs");
+    h.cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resend_after_the_window_is_caught_by_the_unique_key() {
+    let h = start().await;
+    let ana = connect(&h, "ana", Encoding::Json).await;
+    let first = ana.send(b"m-3", "ana-ben", "see you").await.unwrap().unwrap();
+
+    // The app was killed and resends an hour later: the window forgot.
+    h.clock.advance(Duration::from_secs(3600));
+    let late = ana.send(b"m-3", "ana-ben", "see you").await.unwrap().unwrap();
+
+    assert_eq!(late.outcome, "duplicate_unique_key");
+    assert_eq!((late.server_id, late.seq), (first.server_id, first.seq));
+    assert_eq!(rows(&ana, "ana-ben").await.len(), 1);
+    // The late resend refilled the window: the next copy is a window hit.
+    let next = ana.send(b"m-3", "ana-ben", "see you").await.unwrap().unwrap();
+    assert_eq!(next.outcome, "duplicate_window");
+    h.cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn simultaneous_copies_through_two_ingest_instances_store_one_row() {
+    let h = start().await;
+    let urls = h.cluster.ingest_urls();
+    assert_eq!(urls.len(), 2);
+    let mut clients = Vec::new();
+    for url in &urls {
+        clients.push(IngestServiceClient::connect(url.clone()).await.unwrap());
+    }
+    let request = |id: String| pb::SendRequest {
+        sender: "ana".into(),
+        client_msg_id: id.into_bytes(),
+        conversation: "race".into(),
+        body: "same moment".into(),
+        tag: 0,
+    };
+    for round in 0..50 {
+        let id = format!("race-{round}");
+        let (mut a, mut b) = (clients[0].clone(), clients[1].clone());
+        let (ra, rb) = tokio::join!(a.send(request(id.clone())), b.send(request(id)));
+        let ack = |r: Result<tonic::Response<pb::SendResponse>, tonic::Status>| {
+            match r.unwrap().into_inner().result {
+                Some(send_response::Result::Ack(ack)) => ack,
+                other => panic!("expected an ack, got {other:?}"),
+            }
+        };
+        let (ra, rb) = (ack(ra), ack(rb));
+        assert_eq!((ra.server_id, ra.seq), (rb.server_id, rb.seq), "round {round}");
+        let outcomes = [ra.outcome(), rb.outcome()];
+        assert_eq!(
+            outcomes.iter().filter(|o| **o == pb::Outcome::Stored).count(),
+            1,
+            "round {round}: exactly one copy is stored, got {outcomes:?}"
+        );
+    }
+    let reader = connect(&h, "ben", Encoding::Json).await;
+    let stored = rows(&reader, "race").await;
+    assert_eq!(stored.len(), 50);
+    let seqs: Vec<u64> = stored.iter().map(|m| m.seq).collect();
+    assert_eq!(seqs, (1..=50).collect::<Vec<_>>(), "no seq spent on a repeat");
+    h.cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn different_messages_are_never_merged() {
+    let h = start().await;
+    let ana = connect(&h, "ana", Encoding::Json).await;
+    let ben = connect(&h, "ben", Encoding::Json).await;
+    let a_b = connect(&h, "a:b", Encoding::Json).await;
+    let a = connect(&h, "a", Encoding::Json).await;
+
+    // "ok" twice with two IDs is two messages.
+    let ok1 = ana.send(b"ok-1", "chat", "ok").await.unwrap().unwrap();
+    let ok2 = ana.send(b"ok-2", "chat", "ok").await.unwrap().unwrap();
+    // The same ID from two senders is two messages.
+    let ana_x = ana.send(b"shared-id", "chat", "from ana").await.unwrap().unwrap();
+    let ben_x = ben.send(b"shared-id", "chat", "from ben").await.unwrap().unwrap();
+    // Sender "a:b" with ID "c" and sender "a" with ID "b:c" never meet.
+    let ab_c = a_b.send(b"c", "chat", "one").await.unwrap().unwrap();
+    let a_bc = a.send(b"b:c", "chat", "two").await.unwrap().unwrap();
+    // IDs are compared exactly: case and padding matter.
+    let upper = ana.send(b"ID-1", "chat", "upper").await.unwrap().unwrap();
+    let lower = ana.send(b"id-1", "chat", "lower").await.unwrap().unwrap();
+    let padded = ana.send(b"id-1 ", "chat", "padded").await.unwrap().unwrap();
+
+    for ack in [&ok1, &ok2, &ana_x, &ben_x, &ab_c, &a_bc, &upper, &lower, &padded] {
+        assert_eq!(ack.outcome, "stored", "{ack:?}");
+    }
+    let stored = rows(&ana, "chat").await;
+    assert_eq!(stored.len(), 9);
+    let mut server_ids: Vec<u64> = stored.iter().map(|m| m.server_id).collect();
+    server_ids.dedup();
+    assert_eq!(server_ids.len(), 9);
+    h.cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sender_comes_from_the_token_not_the_frame() {
+    let h = start().await;
+    let ana = connect(&h, "ana", Encoding::Json).await;
+    ana.send_raw(RawMessage::Text(
+        r#"{"type":"send","id":"m1","conversation":"c","body":"hi","sender":"ben"}"#.into(),
+    ))
+    .await
+    .unwrap();
+    let Some(Reply::Ack(ack)) = ana.next_unmatched().await else {
+        panic!("expected an ack");
+    };
+    assert_eq!(ack.outcome, "stored");
+    let stored = rows(&ana, "c").await;
+    assert_eq!(stored[0].sender, "ana");
+
+    // Ben sending the same ID is his own message, not a repeat of Ana's.
+    let ben = connect(&h, "ben", Encoding::Json).await;
+    let bens = ben.send(b"m1", "c", "hi").await.unwrap().unwrap();
+    assert_eq!(bens.outcome, "stored");
+    h.cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binary_protobuf_frames_work_end_to_end() {
+    let h = start().await;
+    let ana = connect(&h, "ana", Encoding::Protobuf).await;
+    let id = [0u8, 0xff, 0x80, 0x7f];
+    let first = ana.send(&id, "bin", "hello").await.unwrap().unwrap();
+    let again = ana.send(&id, "bin", "hello").await.unwrap().unwrap();
+    assert_eq!(first.outcome, "stored");
+    assert_eq!(again.outcome, "duplicate_window");
+    assert_eq!(again.server_id, first.server_id);
+
+    // A JSON client reading the same history sees the non-UTF-8 ID intact.
+    let ben = connect(&h, "ben", Encoding::Json).await;
+    let stored = rows(&ben, "bin").await;
+    assert_eq!(stored.len(), 1);
+    assert_eq!(stored[0].id, id);
+    h.cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_sends_in_flight_on_one_connection_get_unique_increasing_seqs() {
+    let h = start().await;
+    let ana = Arc::new(connect(&h, "ana", Encoding::Json).await);
+    let mut tasks = Vec::new();
+    for i in 0..200 {
+        let ana = Arc::clone(&ana);
+        tasks.push(tokio::spawn(async move {
+            let id = format!("m{i}");
+            ana.send(id.as_bytes(), "busy", &format!("message {i}"))
+                .await
+                .unwrap()
+                .unwrap()
+        }));
+    }
+    let mut acks = Vec::new();
+    for task in tasks {
+        acks.push(task.await.unwrap());
+    }
+    let mut seqs: Vec<u64> = acks.iter().map(|a| a.seq).collect();
+    seqs.sort_unstable();
+    assert_eq!(seqs, (1..=200).collect::<Vec<_>>());
+    // Storage order is seq order: a later server id never has a smaller seq.
+    let stored = rows(&ana, "busy").await;
+    assert!(stored.windows(2).all(|w| w[0].server_id < w[1].server_id));
+    h.cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn storage_down_gives_a_retryable_error_and_the_resend_is_stored() {
+    let mut h = start().await;
+    let ana = connect(&h, "ana", Encoding::Json).await;
+    ana.send(b"before", "c", "stored first").await.unwrap().unwrap();
+
+    h.cluster.stop_storage().await;
+    let err = ana.send(b"m-2", "c", "while down").await.unwrap().unwrap_err();
+    assert!(err.retryable, "{err:?}");
+    assert!(["unavailable", "deadline_exceeded"].contains(&err.code.as_str()), "{err:?}");
+
+    h.cluster.restart_storage().await.unwrap();
+    // The failed send did not enter the window: the resend is stored.
+    let ack = ana.send(b"m-2", "c", "while down").await.unwrap().unwrap();
+    assert_eq!(ack.outcome, "stored");
+    let stored = rows(&ana, "c").await;
+    assert_eq!(stored.len(), 2);
+    assert_eq!(stored[1].seq, 2);
+    h.cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_storage_restart_earlier_messages_are_still_caught() {
+    let mut h = start().await;
+    let ana = connect(&h, "ana", Encoding::Json).await;
+    let first = ana.send(b"m-1", "c", "hello").await.unwrap().unwrap();
+
+    h.cluster.restart_storage().await.unwrap();
+    h.clock.advance(DEFAULT_WINDOW_TTL + Duration::from_secs(1));
+    let again = ana.send(b"m-1", "c", "hello").await.unwrap().unwrap();
+
+    assert_eq!(again.outcome, "duplicate_unique_key");
+    assert_eq!((again.server_id, again.seq), (first.server_id, first.seq));
+    assert_eq!(rows(&ana, "c").await.len(), 1);
+    h.cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_whole_cluster_restart_keeps_the_messages_and_the_guarantee() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new());
+    let options = ClusterOptions::new(dir.path(), clock);
+    let cluster = LocalCluster::start(options.clone()).await.unwrap();
+    let ana = Client::connect(&cluster.gateway_url(), &cluster.token("ana").unwrap(), Encoding::Json)
+        .await
+        .unwrap();
+    let first = ana.send(b"m-1", "c", "hello").await.unwrap().unwrap();
+    drop(ana);
+    cluster.shutdown().await;
+
+    let cluster = LocalCluster::start(options).await.unwrap();
+    let ana = Client::connect(&cluster.gateway_url(), &cluster.token("ana").unwrap(), Encoding::Json)
+        .await
+        .unwrap();
+    let again = ana.send(b"m-1", "c", "hello").await.unwrap().unwrap();
+    assert_eq!(again.outcome, "duplicate_unique_key");
+    assert_eq!((again.server_id, again.seq), (first.server_id, first.seq));
+    let next = ana.send(b"m-2", "c", "next").await.unwrap().unwrap();
+    assert_eq!(next.seq, 2);
+    cluster.shutdown().await;
+}
