@@ -38,7 +38,12 @@ pub enum ClientError {
     Refused { status: u16, body: String },
     #[error("the connection is closed")]
     Closed,
+    #[error("no reply within {0:?}")]
+    Timeout(std::time::Duration),
 }
+
+/// How long [`Client::send`] and [`Client::history`] wait for a reply.
+pub const DEFAULT_REPLY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// An ACK as the phone sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -102,6 +107,7 @@ pub struct Client {
     pending: Arc<Mutex<Pending>>,
     unmatched: tokio::sync::Mutex<mpsc::UnboundedReceiver<Reply>>,
     next_ref: AtomicU64,
+    reply_timeout: std::time::Duration,
 }
 
 impl Client {
@@ -164,7 +170,21 @@ impl Client {
             pending,
             unmatched: tokio::sync::Mutex::new(unmatched),
             next_ref: AtomicU64::new(1),
+            reply_timeout: DEFAULT_REPLY_TIMEOUT,
         })
+    }
+
+    /// Wait at most `timeout` for each reply.
+    pub fn with_reply_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.reply_timeout = timeout;
+        self
+    }
+
+    async fn wait(&self, rx: oneshot::Receiver<Reply>) -> Result<Reply, ClientError> {
+        tokio::time::timeout(self.reply_timeout, rx)
+            .await
+            .map_err(|_| ClientError::Timeout(self.reply_timeout))?
+            .map_err(|_| ClientError::Closed)
     }
 
     /// Send a message and wait for its reply: an ACK or an error frame.
@@ -197,7 +217,7 @@ impl Client {
             .or_default()
             .push_back(tx);
         self.out.send(frame).await.map_err(|_| ClientError::Closed)?;
-        match rx.await.map_err(|_| ClientError::Closed)? {
+        match self.wait(rx).await? {
             Reply::Ack(ack) => Ok(Ok(ack)),
             Reply::Error(e) => Ok(Err(e)),
             Reply::History(_) => Err(ClientError::Closed),
@@ -229,7 +249,7 @@ impl Client {
         let (tx, rx) = oneshot::channel();
         self.lock().pulls.insert(reference, tx);
         self.out.send(frame).await.map_err(|_| ClientError::Closed)?;
-        match rx.await.map_err(|_| ClientError::Closed)? {
+        match self.wait(rx).await? {
             Reply::History(page) => Ok(Ok(page)),
             Reply::Error(e) => Ok(Err(e)),
             Reply::Ack(_) => Err(ClientError::Closed),
@@ -276,6 +296,13 @@ fn dispatch(pending: &Mutex<Pending>, reply: Reply) -> Option<Reply> {
         Reply::Ack(AckReply { id, .. }) | Reply::Error(ErrorReply { id: Some(id), .. }) => {
             pending.sends.get_mut(id).and_then(VecDeque::pop_front)
         }
+        // Protobuf cannot tell an empty ID from none: such an error answers
+        // a send with the empty ID, if one is waiting.
+        Reply::Error(ErrorReply {
+            id: None,
+            reference: None,
+            ..
+        }) => pending.sends.get_mut(&Vec::new()).and_then(VecDeque::pop_front),
         Reply::Error(ErrorReply {
             reference: Some(r), ..
         })
