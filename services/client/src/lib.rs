@@ -118,7 +118,9 @@ impl Client {
             .map_err(|e| ClientError::Connect(e.to_string()))?;
         let bearer = http::HeaderValue::from_str(&format!("Bearer {token}"))
             .map_err(|e| ClientError::Connect(e.to_string()))?;
-        request.headers_mut().insert(http::header::AUTHORIZATION, bearer);
+        request
+            .headers_mut()
+            .insert(http::header::AUTHORIZATION, bearer);
         let (socket, _) = match tokio_tungstenite::connect_async(request).await {
             Ok(ok) => ok,
             Err(tungstenite::Error::Http(response)) => {
@@ -216,7 +218,10 @@ impl Client {
             .entry(id.to_vec())
             .or_default()
             .push_back(tx);
-        self.out.send(frame).await.map_err(|_| ClientError::Closed)?;
+        self.out
+            .send(frame)
+            .await
+            .map_err(|_| ClientError::Closed)?;
         match self.wait(rx).await? {
             Reply::Ack(ack) => Ok(Ok(ack)),
             Reply::Error(e) => Ok(Err(e)),
@@ -248,7 +253,10 @@ impl Client {
         };
         let (tx, rx) = oneshot::channel();
         self.lock().pulls.insert(reference, tx);
-        self.out.send(frame).await.map_err(|_| ClientError::Closed)?;
+        self.out
+            .send(frame)
+            .await
+            .map_err(|_| ClientError::Closed)?;
         match self.wait(rx).await? {
             Reply::History(page) => Ok(Ok(page)),
             Reply::Error(e) => Ok(Err(e)),
@@ -257,7 +265,10 @@ impl Client {
     }
 
     /// Every stored message of `conversation`, following pages to the end.
-    pub async fn full_history(&self, conversation: &str) -> Result<Result<Vec<HistoryMessage>, ErrorReply>, ClientError> {
+    pub async fn full_history(
+        &self,
+        conversation: &str,
+    ) -> Result<Result<Vec<HistoryMessage>, ErrorReply>, ClientError> {
         let mut all = Vec::new();
         let mut after = 0;
         loop {
@@ -275,7 +286,10 @@ impl Client {
 
     /// Send a raw frame (for testing how the gateway treats bad input).
     pub async fn send_raw(&self, message: Message) -> Result<(), ClientError> {
-        self.out.send(message).await.map_err(|_| ClientError::Closed)
+        self.out
+            .send(message)
+            .await
+            .map_err(|_| ClientError::Closed)
     }
 
     /// The next reply that matched no send or pull in flight, such as the
@@ -286,7 +300,9 @@ impl Client {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Pending> {
-        self.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.pending
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 
@@ -302,7 +318,10 @@ fn dispatch(pending: &Mutex<Pending>, reply: Reply) -> Option<Reply> {
             id: None,
             reference: None,
             ..
-        }) => pending.sends.get_mut(&Vec::new()).and_then(VecDeque::pop_front),
+        }) => pending
+            .sends
+            .get_mut(&Vec::new())
+            .and_then(VecDeque::pop_front),
         Reply::Error(ErrorReply {
             reference: Some(r), ..
         })

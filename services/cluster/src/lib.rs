@@ -3,12 +3,7 @@
 //! port, wired exactly as in production. The demo, the dev command, the load
 //! test's `--embedded` mode and the integration tests all start this.
 
-use std::{
-    net::SocketAddr,
-    path::PathBuf,
-    sync::Arc,
-    time::Duration,
-};
+use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::Context;
 use imdedup_core::{
@@ -119,8 +114,10 @@ impl LocalCluster {
         for _ in 0..options.shards.max(1) {
             let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
             ingest_addrs.push(listener.local_addr()?);
-            let store: Arc<dyn MessageStore> =
-                Arc::new(RemoteStore::connect_lazy(&storage_url, options.storage_timeout)?);
+            let store: Arc<dyn MessageStore> = Arc::new(RemoteStore::connect_lazy(
+                &storage_url,
+                options.storage_timeout,
+            )?);
             let window = Arc::new(MemoryWindow::with_clock(
                 options.window.clone(),
                 Arc::clone(&options.clock),
@@ -173,7 +170,10 @@ impl LocalCluster {
 
     /// `http://…` URLs of the ingest shards' gRPC servers.
     pub fn ingest_urls(&self) -> Vec<String> {
-        self.ingest_addrs.iter().map(|a| format!("http://{a}")).collect()
+        self.ingest_addrs
+            .iter()
+            .map(|a| format!("http://{a}"))
+            .collect()
     }
 
     /// `http://…` URL of the storage gRPC server.

@@ -17,15 +17,23 @@ async fn start() -> (LocalCluster, ManualClock, tempfile::TempDir) {
 }
 
 async fn connect(cluster: &LocalCluster, user: &str, encoding: Encoding) -> Client {
-    Client::connect(&cluster.gateway_url(), &cluster.token(user).unwrap(), encoding)
-        .await
-        .unwrap()
+    Client::connect(
+        &cluster.gateway_url(),
+        &cluster.token(user).unwrap(),
+        encoding,
+    )
+    .await
+    .unwrap()
 }
 
 fn assert_final(err: &ErrorReply, code: &str, mentions: &str) {
     assert_eq!(err.code, code, "{err:?}");
     assert!(!err.retryable, "{err:?}");
-    assert!(err.message.contains(mentions), "{:?} should mention {mentions:?}", err.message);
+    assert!(
+        err.message.contains(mentions),
+        "{:?} should mention {mentions:?}",
+        err.message
+    );
 }
 
 async fn unmatched_error(client: &Client) -> ErrorReply {
@@ -38,7 +46,10 @@ async fn unmatched_error(client: &Client) -> ErrorReply {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_sends_are_refused_and_nothing_is_stored() {
     let (cluster, _clock, _dir) = start().await;
-    for (encoding, conv) in [(Encoding::Json, "c-json"), (Encoding::Protobuf, "c-protobuf")] {
+    for (encoding, conv) in [
+        (Encoding::Json, "c-json"),
+        (Encoding::Protobuf, "c-protobuf"),
+    ] {
         let ana = connect(&cluster, "ana", encoding).await;
         let too_long_id = vec![b'x'; 65];
         let big_body = "b".repeat(16 * 1024 + 1);
@@ -59,7 +70,11 @@ async fn invalid_sends_are_refused_and_nothing_is_stored() {
             }
         }
         // Still usable, and nothing of the above was stored.
-        let ok = ana.send(conv.as_bytes(), conv, "fine").await.unwrap().unwrap();
+        let ok = ana
+            .send(conv.as_bytes(), conv, "fine")
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(ok.outcome, "stored");
         let stored = ana.full_history(conv).await.unwrap().unwrap();
         assert_eq!(stored.len(), 1, "{encoding:?}");
@@ -75,11 +90,23 @@ async fn malformed_frames_get_an_error_and_the_connection_stays_usable() {
 
     let frames: [(RawMessage, &str); 7] = [
         (RawMessage::Text("{not json".into()), "malformed JSON"),
-        (RawMessage::Text(r#"{"type":"edit","id":"m1"}"#.into()), "unknown frame type"),
+        (
+            RawMessage::Text(r#"{"type":"edit","id":"m1"}"#.into()),
+            "unknown frame type",
+        ),
         (RawMessage::Text(r#"{"id":"m1"}"#.into()), "no \"type\""),
-        (RawMessage::Text(r#"{"type":"send","id":"m1","conversation":"c"}"#.into()), "body"),
-        (RawMessage::Text(r#"{"type":"send","id":7,"conversation":"c","body":"x"}"#.into()), "malformed frame"),
-        (RawMessage::Binary(vec![0xff, 0xff, 0xff].into()), "malformed protobuf"),
+        (
+            RawMessage::Text(r#"{"type":"send","id":"m1","conversation":"c"}"#.into()),
+            "body",
+        ),
+        (
+            RawMessage::Text(r#"{"type":"send","id":7,"conversation":"c","body":"x"}"#.into()),
+            "malformed frame",
+        ),
+        (
+            RawMessage::Binary(vec![0xff, 0xff, 0xff].into()),
+            "malformed protobuf",
+        ),
         (RawMessage::Binary(Vec::new().into()), "no kind"),
     ];
     for (frame, mentions) in frames {
@@ -95,7 +122,11 @@ async fn malformed_frames_get_an_error_and_the_connection_stays_usable() {
         .unwrap_err();
     assert_eq!(err.id.as_deref(), Some(&b"m9"[..]));
 
-    let ok = ana.send(b"after", "c", "still works").await.unwrap().unwrap();
+    let ok = ana
+        .send(b"after", "c", "still works")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(ok.outcome, "stored");
     assert_eq!(ana.full_history("c").await.unwrap().unwrap().len(), 1);
     cluster.shutdown().await;
@@ -128,11 +159,16 @@ async fn bad_missing_and_expired_tokens_are_refused_at_connect() {
 
     // Signed with another secret.
     let other = imdedup_core::token::TokenKey::new("some-other-secret-value").unwrap();
-    let forged = other.mint(&imdedup_core::model::Sender::parse("ana").unwrap(), u64::MAX / 2);
+    let forged = other.mint(
+        &imdedup_core::model::Sender::parse("ana").unwrap(),
+        u64::MAX / 2,
+    );
     let (status, _) = refused(Client::connect(&url, &forged, Encoding::Json).await);
     assert_eq!(status, 401);
 
-    let short = cluster.token_valid_for("ana", Duration::from_secs(60)).unwrap();
+    let short = cluster
+        .token_valid_for("ana", Duration::from_secs(60))
+        .unwrap();
     clock.advance(Duration::from_secs(120));
     let (status, body) = refused(Client::connect(&url, &short, Encoding::Json).await);
     assert_eq!(status, 401);
@@ -143,7 +179,9 @@ async fn bad_missing_and_expired_tokens_are_refused_at_connect() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_token_that_expires_mid_connection_stops_sends() {
     let (cluster, clock, _dir) = start().await;
-    let token = cluster.token_valid_for("ana", Duration::from_secs(60)).unwrap();
+    let token = cluster
+        .token_valid_for("ana", Duration::from_secs(60))
+        .unwrap();
     let ana = Client::connect(&cluster.gateway_url(), &token, Encoding::Json)
         .await
         .unwrap();

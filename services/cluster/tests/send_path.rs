@@ -44,9 +44,17 @@ async fn a_resend_after_a_lost_ack_gets_the_same_ack_and_stores_one_row() {
     let h = start().await;
     let ana = connect(&h, "ana", Encoding::Json).await;
 
-    let first = ana.send(b"m-7", "ana-ben", "I'm downstairs").await.unwrap().unwrap();
+    let first = ana
+        .send(b"m-7", "ana-ben", "I'm downstairs")
+        .await
+        .unwrap()
+        .unwrap();
     // The ACK is "lost": the phone resends the same ID.
-    let again = ana.send(b"m-7", "ana-ben", "I'm downstairs").await.unwrap().unwrap();
+    let again = ana
+        .send(b"m-7", "ana-ben", "I'm downstairs")
+        .await
+        .unwrap()
+        .unwrap();
 
     assert!(!first.duplicate);
     assert!(again.duplicate);
@@ -62,17 +70,29 @@ async fn a_resend_after_a_lost_ack_gets_the_same_ack_and_stores_one_row() {
 async fn a_resend_after_the_window_is_caught_by_the_unique_key() {
     let h = start().await;
     let ana = connect(&h, "ana", Encoding::Json).await;
-    let first = ana.send(b"m-3", "ana-ben", "see you").await.unwrap().unwrap();
+    let first = ana
+        .send(b"m-3", "ana-ben", "see you")
+        .await
+        .unwrap()
+        .unwrap();
 
     // The app was killed and resends an hour later: the window forgot.
     h.clock.advance(Duration::from_secs(3600));
-    let late = ana.send(b"m-3", "ana-ben", "see you").await.unwrap().unwrap();
+    let late = ana
+        .send(b"m-3", "ana-ben", "see you")
+        .await
+        .unwrap()
+        .unwrap();
 
     assert_eq!(late.outcome, "duplicate_unique_key");
     assert_eq!((late.server_id, late.seq), (first.server_id, first.seq));
     assert_eq!(rows(&ana, "ana-ben").await.len(), 1);
     // The late resend refilled the window: the next copy is a window hit.
-    let next = ana.send(b"m-3", "ana-ben", "see you").await.unwrap().unwrap();
+    let next = ana
+        .send(b"m-3", "ana-ben", "see you")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(next.outcome, "duplicate_window");
     h.cluster.shutdown().await;
 }
@@ -97,17 +117,26 @@ async fn simultaneous_copies_through_two_ingest_instances_store_one_row() {
         let id = format!("race-{round}");
         let (mut a, mut b) = (clients[0].clone(), clients[1].clone());
         let (ra, rb) = tokio::join!(a.send(request(id.clone())), b.send(request(id)));
-        let ack = |r: Result<tonic::Response<pb::SendResponse>, tonic::Status>| {
-            match r.unwrap().into_inner().result {
-                Some(send_response::Result::Ack(ack)) => ack,
-                other => panic!("expected an ack, got {other:?}"),
-            }
+        let ack = |r: Result<tonic::Response<pb::SendResponse>, tonic::Status>| match r
+            .unwrap()
+            .into_inner()
+            .result
+        {
+            Some(send_response::Result::Ack(ack)) => ack,
+            other => panic!("expected an ack, got {other:?}"),
         };
         let (ra, rb) = (ack(ra), ack(rb));
-        assert_eq!((ra.server_id, ra.seq), (rb.server_id, rb.seq), "round {round}");
+        assert_eq!(
+            (ra.server_id, ra.seq),
+            (rb.server_id, rb.seq),
+            "round {round}"
+        );
         let outcomes = [ra.outcome(), rb.outcome()];
         assert_eq!(
-            outcomes.iter().filter(|o| **o == pb::Outcome::Stored).count(),
+            outcomes
+                .iter()
+                .filter(|o| **o == pb::Outcome::Stored)
+                .count(),
             1,
             "round {round}: exactly one copy is stored, got {outcomes:?}"
         );
@@ -116,7 +145,11 @@ async fn simultaneous_copies_through_two_ingest_instances_store_one_row() {
     let stored = rows(&reader, "race").await;
     assert_eq!(stored.len(), 50);
     let seqs: Vec<u64> = stored.iter().map(|m| m.seq).collect();
-    assert_eq!(seqs, (1..=50).collect::<Vec<_>>(), "no seq spent on a repeat");
+    assert_eq!(
+        seqs,
+        (1..=50).collect::<Vec<_>>(),
+        "no seq spent on a repeat"
+    );
     h.cluster.shutdown().await;
 }
 
@@ -132,8 +165,16 @@ async fn different_messages_are_never_merged() {
     let ok1 = ana.send(b"ok-1", "chat", "ok").await.unwrap().unwrap();
     let ok2 = ana.send(b"ok-2", "chat", "ok").await.unwrap().unwrap();
     // The same ID from two senders is two messages.
-    let ana_x = ana.send(b"shared-id", "chat", "from ana").await.unwrap().unwrap();
-    let ben_x = ben.send(b"shared-id", "chat", "from ben").await.unwrap().unwrap();
+    let ana_x = ana
+        .send(b"shared-id", "chat", "from ana")
+        .await
+        .unwrap()
+        .unwrap();
+    let ben_x = ben
+        .send(b"shared-id", "chat", "from ben")
+        .await
+        .unwrap()
+        .unwrap();
     // Sender "a:b" with ID "c" and sender "a" with ID "b:c" never meet.
     let ab_c = a_b.send(b"c", "chat", "one").await.unwrap().unwrap();
     let a_bc = a.send(b"b:c", "chat", "two").await.unwrap().unwrap();
@@ -142,7 +183,9 @@ async fn different_messages_are_never_merged() {
     let lower = ana.send(b"id-1", "chat", "lower").await.unwrap().unwrap();
     let padded = ana.send(b"id-1 ", "chat", "padded").await.unwrap().unwrap();
 
-    for ack in [&ok1, &ok2, &ana_x, &ben_x, &ab_c, &a_bc, &upper, &lower, &padded] {
+    for ack in [
+        &ok1, &ok2, &ana_x, &ben_x, &ab_c, &a_bc, &upper, &lower, &padded,
+    ] {
         assert_eq!(ack.outcome, "stored", "{ack:?}");
     }
     let stored = rows(&ana, "chat").await;
@@ -227,12 +270,22 @@ async fn many_sends_in_flight_on_one_connection_get_unique_increasing_seqs() {
 async fn storage_down_gives_a_retryable_error_and_the_resend_is_stored() {
     let mut h = start().await;
     let ana = connect(&h, "ana", Encoding::Json).await;
-    ana.send(b"before", "c", "stored first").await.unwrap().unwrap();
+    ana.send(b"before", "c", "stored first")
+        .await
+        .unwrap()
+        .unwrap();
 
     h.cluster.stop_storage().await;
-    let err = ana.send(b"m-2", "c", "while down").await.unwrap().unwrap_err();
+    let err = ana
+        .send(b"m-2", "c", "while down")
+        .await
+        .unwrap()
+        .unwrap_err();
     assert!(err.retryable, "{err:?}");
-    assert!(["unavailable", "deadline_exceeded"].contains(&err.code.as_str()), "{err:?}");
+    assert!(
+        ["unavailable", "deadline_exceeded"].contains(&err.code.as_str()),
+        "{err:?}"
+    );
 
     h.cluster.restart_storage().await.unwrap();
     // The failed send did not enter the window: the resend is stored.
@@ -266,17 +319,25 @@ async fn a_whole_cluster_restart_keeps_the_messages_and_the_guarantee() {
     let clock = Arc::new(ManualClock::new());
     let options = ClusterOptions::new(dir.path(), clock);
     let cluster = LocalCluster::start(options.clone()).await.unwrap();
-    let ana = Client::connect(&cluster.gateway_url(), &cluster.token("ana").unwrap(), Encoding::Json)
-        .await
-        .unwrap();
+    let ana = Client::connect(
+        &cluster.gateway_url(),
+        &cluster.token("ana").unwrap(),
+        Encoding::Json,
+    )
+    .await
+    .unwrap();
     let first = ana.send(b"m-1", "c", "hello").await.unwrap().unwrap();
     drop(ana);
     cluster.shutdown().await;
 
     let cluster = LocalCluster::start(options).await.unwrap();
-    let ana = Client::connect(&cluster.gateway_url(), &cluster.token("ana").unwrap(), Encoding::Json)
-        .await
-        .unwrap();
+    let ana = Client::connect(
+        &cluster.gateway_url(),
+        &cluster.token("ana").unwrap(),
+        Encoding::Json,
+    )
+    .await
+    .unwrap();
     let again = ana.send(b"m-1", "c", "hello").await.unwrap().unwrap();
     assert_eq!(again.outcome, "duplicate_unique_key");
     assert_eq!((again.server_id, again.seq), (first.server_id, first.seq));

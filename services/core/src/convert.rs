@@ -40,7 +40,10 @@ pub fn send_request(req: pb::SendRequest, max_body_bytes: usize) -> Result<NewMe
     )
 }
 
-pub fn insert_request(req: pb::InsertOnceRequest, max_body_bytes: usize) -> Result<NewMessage, Error> {
+pub fn insert_request(
+    req: pb::InsertOnceRequest,
+    max_body_bytes: usize,
+) -> Result<NewMessage, Error> {
     new_message(
         req.sender,
         req.client_msg_id,
@@ -103,7 +106,8 @@ impl From<StoredMessage> for pb::StoredMessage {
 /// A stored row coming back from storage. Storage is trusted, but a row that
 /// does not parse is still an error rather than a panic.
 pub fn stored_message(m: pb::StoredMessage) -> Result<StoredMessage, Error> {
-    let invalid = |e: Error| Error::internal(format!("storage returned a malformed row: {}", e.message()));
+    let invalid =
+        |e: Error| Error::internal(format!("storage returned a malformed row: {}", e.message()));
     Ok(StoredMessage {
         key: message_key(m.sender, m.client_msg_id).map_err(invalid)?,
         conversation: ConversationId::parse(m.conversation).map_err(invalid)?,

@@ -2,12 +2,12 @@
 
 use std::time::Duration;
 
-use async_trait::async_trait;
 use crate::{
     Error, convert,
     model::{HistoryQuery, MessageKey, NewMessage, StoredMessage},
     store::{Insert, MessageStore},
 };
+use async_trait::async_trait;
 use imdedup_proto::v1::{self as pb, storage_service_client::StorageServiceClient};
 use tonic::transport::{Channel, Endpoint};
 

@@ -28,10 +28,7 @@ pub fn owner<S: AsRef<str>>(shards: &[S], conversation: &ConversationId) -> Opti
         .iter()
         .enumerate()
         .max_by_key(|(_, shard)| {
-            stable_hash(&[
-                shard.as_ref().as_bytes(),
-                conversation.as_str().as_bytes(),
-            ])
+            stable_hash(&[shard.as_ref().as_bytes(), conversation.as_str().as_bytes()])
         })
         .map(|(index, _)| index)
 }

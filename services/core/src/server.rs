@@ -24,7 +24,9 @@ pub async fn serve_grpc(
 ) -> Result<(), tonic::transport::Error> {
     let (health, health_service) = tonic_health::server::health_reporter();
     for name in service_names.iter().copied().chain([""]) {
-        health.set_service_status(name, ServingStatus::Serving).await;
+        health
+            .set_service_status(name, ServingStatus::Serving)
+            .await;
     }
     let reflection_v1 = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(imdedup_proto::FILE_DESCRIPTOR_SET)

@@ -25,9 +25,15 @@ pub struct Session {
 
 /// Serve one connection until the phone leaves, the token expires, or the
 /// gateway shuts down; then finish the sends in flight and close.
-pub async fn run(socket: WebSocket, gateway: Arc<Gateway>, session: Session, shutdown: CancellationToken) {
+pub async fn run(
+    socket: WebSocket,
+    gateway: Arc<Gateway>,
+    session: Session,
+    shutdown: CancellationToken,
+) {
     let (mut sink, mut stream) = socket.split();
-    let (out, mut outgoing) = mpsc::channel::<Message>(gateway.config.max_in_flight_per_connection * 2);
+    let (out, mut outgoing) =
+        mpsc::channel::<Message>(gateway.config.max_in_flight_per_connection * 2);
     let writer = tokio::spawn(async move {
         while let Some(message) = outgoing.recv().await {
             if sink.send(message).await.is_err() {
@@ -68,7 +74,12 @@ pub async fn run(socket: WebSocket, gateway: Arc<Gateway>, session: Session, shu
         let inbound = match frames::decode(encoding, &bytes) {
             Ok(inbound) => inbound,
             Err((to, error)) => {
-                let _ = out.send(message(frames::encode(encoding, Outbound::Error { to, error }))).await;
+                let _ = out
+                    .send(message(frames::encode(
+                        encoding,
+                        Outbound::Error { to, error },
+                    )))
+                    .await;
                 continue;
             }
         };
@@ -112,7 +123,12 @@ async fn send(gateway: &Gateway, sender: Sender, cmd: SendCmd) -> Outbound {
         gateway.config.max_body_bytes,
     );
     let result = match validated {
-        Ok(message) => gateway.shards.send(message, gateway.config.send_timeout).await,
+        Ok(message) => {
+            gateway
+                .shards
+                .send(message, gateway.config.send_timeout)
+                .await
+        }
         Err(e) => Err(e),
     };
     match result {

@@ -69,8 +69,14 @@ impl ReplyTo {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outbound {
-    Ack { ack: Ack, id_b64: bool },
-    Error { to: ReplyTo, error: Error },
+    Ack {
+        ack: Ack,
+        id_b64: bool,
+    },
+    Error {
+        to: ReplyTo,
+        error: Error,
+    },
     History {
         reference: Option<String>,
         conversation: String,
@@ -88,10 +94,17 @@ pub fn decode(encoding: Encoding, bytes: &[u8]) -> Result<Inbound, (ReplyTo, Err
 }
 
 fn decode_json(bytes: &[u8]) -> Result<Inbound, (ReplyTo, Error)> {
-    let value: serde_json::Value = serde_json::from_slice(bytes)
-        .map_err(|e| (ReplyTo::default(), Error::invalid(format!("malformed JSON: {e}"))))?;
+    let value: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| {
+        (
+            ReplyTo::default(),
+            Error::invalid(format!("malformed JSON: {e}")),
+        )
+    })?;
     let to = ReplyTo {
-        id: value.get("id").and_then(|v| v.as_str()).map(|s| s.as_bytes().to_vec()),
+        id: value
+            .get("id")
+            .and_then(|v| v.as_str())
+            .map(|s| s.as_bytes().to_vec()),
         id_b64: false,
         reference: value.get("ref").and_then(|v| v.as_str()).map(str::to_owned),
     };
@@ -282,15 +295,20 @@ mod tests {
 
     #[test]
     fn a_send_missing_its_body_keeps_the_id() {
-        let (to, err) =
-            decode(Encoding::Json, br#"{"type":"send","id":"m1","conversation":"c"}"#).unwrap_err();
+        let (to, err) = decode(
+            Encoding::Json,
+            br#"{"type":"send","id":"m1","conversation":"c"}"#,
+        )
+        .unwrap_err();
         assert!(err.message().contains("body"), "{err}");
         assert_eq!(to.id.as_deref(), Some(&b"m1"[..]));
     }
 
     #[test]
     fn garbage_bytes_are_not_a_client_frame() {
-        let err = decode(Encoding::Protobuf, &[0xff, 0xff, 0xff]).unwrap_err().1;
+        let err = decode(Encoding::Protobuf, &[0xff, 0xff, 0xff])
+            .unwrap_err()
+            .1;
         assert!(err.message().contains("protobuf"), "{err}");
         let err = decode(Encoding::Protobuf, &[]).unwrap_err().1;
         assert!(err.message().contains("no kind"), "{err}");

@@ -136,14 +136,19 @@ async fn upgrade(
     let Some(token) = bearer_token(&headers, &query) else {
         return refuse(
             StatusCode::UNAUTHORIZED,
-            Error::unauthenticated("no token: send Authorization: Bearer <token> or ?token=<token>"),
+            Error::unauthenticated(
+                "no token: send Authorization: Bearer <token> or ?token=<token>",
+            ),
         );
     };
-    let (sender, expires_at_unix) =
-        match gateway.config.token_key.verify(token, gateway.config.clock.unix_seconds()) {
-            Ok(verified) => verified,
-            Err(e) => return refuse(StatusCode::UNAUTHORIZED, e),
-        };
+    let (sender, expires_at_unix) = match gateway
+        .config
+        .token_key
+        .verify(token, gateway.config.clock.unix_seconds())
+    {
+        Ok(verified) => verified,
+        Err(e) => return refuse(StatusCode::UNAUTHORIZED, e),
+    };
     let Ok(slot) = Arc::clone(&gateway.connections).try_acquire_owned() else {
         return refuse(
             StatusCode::SERVICE_UNAVAILABLE,

@@ -2,7 +2,11 @@
 
 use std::time::Duration;
 
-use imdedup_core::{Error, ErrorKind, convert, model::{Ack, ConversationId, NewMessage}, routing};
+use imdedup_core::{
+    Error, ErrorKind, convert,
+    model::{Ack, ConversationId, NewMessage},
+    routing,
+};
 use imdedup_proto::v1::{self as pb, ingest_service_client::IngestServiceClient, send_response};
 use tonic::transport::{Channel, Endpoint};
 
@@ -65,7 +69,9 @@ impl Shards {
         match response.result {
             Some(send_response::Result::Ack(ack)) => convert::ack(ack),
             Some(send_response::Result::Error(e)) => Err(e.into()),
-            None => Err(Error::internal("ingest answered with neither ack nor error")),
+            None => Err(Error::internal(
+                "ingest answered with neither ack nor error",
+            )),
         }
     }
 

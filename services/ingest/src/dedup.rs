@@ -201,7 +201,10 @@ mod tests {
                 key: m.key,
                 conversation: m.conversation,
                 body: m.body.into_string(),
-                receipt: Receipt { server_id: 100 + n, seq: n },
+                receipt: Receipt {
+                    server_id: 100 + n,
+                    seq: n,
+                },
                 stored_at_ms: 0,
             };
             rows.push(row.clone());

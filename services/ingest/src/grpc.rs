@@ -36,7 +36,11 @@ impl IngestGrpc {
     }
 }
 
-async fn decide(dedup: &Dedup, req: pb::SendRequest, max_body_bytes: usize) -> Result<pb::Ack, Error> {
+async fn decide(
+    dedup: &Dedup,
+    req: pb::SendRequest,
+    max_body_bytes: usize,
+) -> Result<pb::Ack, Error> {
     let message = convert::send_request(req, max_body_bytes)?;
     Ok(dedup.send(message).await?.into())
 }

@@ -163,7 +163,10 @@ mod tests {
             panic!("first claim must be owned");
         };
         window.remember(&key("m1"), &token, RECEIPT).await.unwrap();
-        assert_eq!(window.claim(&key("m1")).await.unwrap(), Claim::Seen(RECEIPT));
+        assert_eq!(
+            window.claim(&key("m1")).await.unwrap(),
+            Claim::Seen(RECEIPT)
+        );
 
         clock.advance(DEFAULT_WINDOW_TTL + Duration::from_secs(1));
         assert!(matches!(
@@ -176,11 +179,17 @@ mod tests {
     async fn a_second_copy_during_the_claim_is_in_flight() {
         let clock = ManualClock::new();
         let window = window(&clock);
-        assert!(matches!(window.claim(&key("m1")).await.unwrap(), Claim::Owned(_)));
+        assert!(matches!(
+            window.claim(&key("m1")).await.unwrap(),
+            Claim::Owned(_)
+        ));
         assert_eq!(window.claim(&key("m1")).await.unwrap(), Claim::InFlight);
         // A claim whose owner died expires after the claim TTL.
         clock.advance(DEFAULT_CLAIM_TTL + Duration::from_millis(1));
-        assert!(matches!(window.claim(&key("m1")).await.unwrap(), Claim::Owned(_)));
+        assert!(matches!(
+            window.claim(&key("m1")).await.unwrap(),
+            Claim::Owned(_)
+        ));
     }
 
     #[tokio::test]
@@ -196,7 +205,10 @@ mod tests {
             .unwrap();
         assert_eq!(window.claim(&key("m1")).await.unwrap(), Claim::InFlight);
         window.release(&key("m1"), &token).await.unwrap();
-        assert!(matches!(window.claim(&key("m1")).await.unwrap(), Claim::Owned(_)));
+        assert!(matches!(
+            window.claim(&key("m1")).await.unwrap(),
+            Claim::Owned(_)
+        ));
     }
 
     #[tokio::test]
@@ -208,6 +220,9 @@ mod tests {
         };
         window.remember(&key("m1"), &token, RECEIPT).await.unwrap();
         window.release(&key("m1"), &token).await.unwrap();
-        assert_eq!(window.claim(&key("m1")).await.unwrap(), Claim::Seen(RECEIPT));
+        assert_eq!(
+            window.claim(&key("m1")).await.unwrap(),
+            Claim::Seen(RECEIPT)
+        );
     }
 }

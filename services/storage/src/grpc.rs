@@ -24,8 +24,7 @@ impl StorageGrpc {
     }
 
     pub fn into_server(self) -> StorageServiceServer<Self> {
-        StorageServiceServer::new(self)
-            .max_decoding_message_size(2 * MAX_STORED_BODY_BYTES)
+        StorageServiceServer::new(self).max_decoding_message_size(2 * MAX_STORED_BODY_BYTES)
     }
 }
 
@@ -71,4 +70,3 @@ impl StorageService for StorageGrpc {
         Ok(Response::new(pb::HistoryResponse { messages }))
     }
 }
-

@@ -85,7 +85,10 @@ impl SqliteStore {
     pub fn open(options: &SqliteOptions) -> Result<Self, Error> {
         if let Some(dir) = options.path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| {
-                Error::internal(format!("cannot create data directory {}: {e}", dir.display()))
+                Error::internal(format!(
+                    "cannot create data directory {}: {e}",
+                    dir.display()
+                ))
             })?;
         }
         let writer = open_connection(&options.path, false)?;
@@ -143,9 +146,8 @@ fn open_connection(path: &Path, read_only: bool) -> Result<Connection, Error> {
             | OpenFlags::SQLITE_OPEN_CREATE
             | OpenFlags::SQLITE_OPEN_NO_MUTEX
     };
-    let conn = Connection::open_with_flags(path, flags).map_err(|e| {
-        Error::internal(format!("cannot open database {}: {e}", path.display()))
-    })?;
+    let conn = Connection::open_with_flags(path, flags)
+        .map_err(|e| Error::internal(format!("cannot open database {}: {e}", path.display())))?;
     conn.busy_timeout(std::time::Duration::from_secs(5))
         .map_err(sql_error)?;
     if !read_only {
@@ -291,8 +293,7 @@ fn row_to_message(row: &Row<'_>) -> rusqlite::Result<StoredMessage> {
     Ok(StoredMessage {
         key: MessageKey {
             sender: Sender::parse(row.get::<_, String>(0)?).map_err(|e| bad(0, e))?,
-            client_msg_id: ClientMsgId::parse(row.get::<_, Vec<u8>>(1)?)
-                .map_err(|e| bad(1, e))?,
+            client_msg_id: ClientMsgId::parse(row.get::<_, Vec<u8>>(1)?).map_err(|e| bad(1, e))?,
         },
         conversation: ConversationId::parse(row.get::<_, String>(2)?).map_err(|e| bad(2, e))?,
         body: row.get(3)?,

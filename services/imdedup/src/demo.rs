@@ -1,0 +1,388 @@
+//! The book's scenario (chapter 4, "Duplicates") on a real local cluster:
+//! Ana sends 8 messages to Ben over a lossy network, her phone resends on
+//! the 0, 1, 3, 7, 15 s schedule and gives up at 31 s, and an hour later the
+//! app, killed before an ACK came back, resends message 3 from its outbox.
+//! Then Ben pulls the conversation and we count what he sees.
+
+use std::{
+    collections::HashMap,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, bail};
+use clap::Args;
+use imdedup_client::{AckReply, Client, Encoding};
+use imdedup_cluster::{ClusterOptions, LocalCluster};
+use imdedup_core::clock::ManualClock;
+use imdedup_ingest::MemoryWindowOptions;
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+const CONVERSATION: &str = "ana-ben";
+const BODIES: [&str; 8] = [
+    "Hi Ben",
+    "Are you home?",
+    "On my way",
+    "Traffic is bad",
+    "20 more minutes",
+    "Parking now",
+    "I'm downstairs",
+    "Open the door?",
+];
+/// A seed whose draws lose a send and an ACK, so the run shows both.
+const DEFAULT_SEED: u64 = 17;
+
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Messages Ana sends.
+    #[arg(long, default_value_t = 8)]
+    messages: usize,
+    /// Chance that a send is lost on the way to the gateway.
+    #[arg(long, default_value_t = 0.10)]
+    loss_send: f64,
+    /// Chance that an ACK is lost on the way back to the phone.
+    #[arg(long, default_value_t = 0.10)]
+    loss_ack: f64,
+    /// When the phone sends, in seconds after the first try.
+    #[arg(long, value_delimiter = ',', default_value = "0,1,3,7,15")]
+    schedule: Vec<f64>,
+    /// When the phone gives up and shows the message as failed, in seconds.
+    #[arg(long, default_value_t = 31.0)]
+    give_up: f64,
+    /// Time compression: 10 plays the 31 s schedule in 3.1 s; 1 is real time.
+    #[arg(long, default_value_t = 10.0)]
+    speed: f64,
+    /// Seed of the loss draws; the same seed gives the same run.
+    #[arg(long, default_value_t = DEFAULT_SEED)]
+    seed: u64,
+    /// How long the recent-ID window remembers a stored ID.
+    #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+    window_ttl: Duration,
+    /// Leave out the resend of message 3 an hour later.
+    #[arg(long)]
+    no_late_resend: bool,
+}
+
+impl DemoArgs {
+    fn check(&self) -> anyhow::Result<()> {
+        for (name, p) in [
+            ("--loss-send", self.loss_send),
+            ("--loss-ack", self.loss_ack),
+        ] {
+            if !(0.0..=1.0).contains(&p) {
+                bail!("{name} must be between 0 and 1, got {p}");
+            }
+        }
+        if !(self.speed > 0.0 && self.speed.is_finite()) {
+            bail!("--speed must be a positive number, got {}", self.speed);
+        }
+        if self.schedule.is_empty()
+            || self.schedule.windows(2).any(|w| w[0] > w[1])
+            || self.schedule.iter().any(|s| *s < 0.0)
+        {
+            bail!("--schedule must be non-negative times in increasing order");
+        }
+        if self.give_up < self.schedule[self.schedule.len() - 1] {
+            bail!("--give-up must come after the last resend");
+        }
+        if self.messages == 0 || self.messages > 10_000 {
+            bail!("--messages must be between 1 and 10000");
+        }
+        Ok(())
+    }
+}
+
+/// The network's fate for one try of one message.
+#[derive(Debug, Clone, Copy)]
+struct Fate {
+    send_lost: bool,
+    ack_lost: bool,
+}
+
+struct Outbox {
+    number: usize,
+    id: String,
+    body: String,
+    fates: Vec<Fate>,
+}
+
+/// What the phone ended up knowing about a message.
+#[derive(Debug, Clone)]
+enum Delivery {
+    Acked(AckReply),
+    Failed,
+}
+
+struct Timeline {
+    started: Instant,
+    speed: f64,
+}
+
+impl Timeline {
+    fn at(&self, scenario_seconds: f64) -> Instant {
+        self.started + Duration::from_secs_f64(scenario_seconds / self.speed)
+    }
+
+    fn log(&self, number: usize, text: &str) {
+        let t = self.started.elapsed().as_secs_f64() * self.speed;
+        println!("  t={t:>5.1}s  #{number}  {text}");
+    }
+}
+
+fn describe(ack: &AckReply) -> String {
+    let how = match ack.outcome.as_str() {
+        "stored" => "stored",
+        "duplicate_window" => "repeat, caught by the window",
+        "duplicate_unique_key" => "repeat, caught by the unique key",
+        other => other,
+    };
+    format!("{how} (server id {}, seq {})", ack.server_id, ack.seq)
+}
+
+async fn deliver(
+    phone: &Client,
+    message: &Outbox,
+    schedule: &[f64],
+    give_up: f64,
+    timeline: &Timeline,
+) -> Delivery {
+    let start = (message.number - 1) as f64 * 0.5;
+    for (attempt, (offset, fate)) in schedule.iter().zip(&message.fates).enumerate() {
+        tokio::time::sleep_until(timeline.at(start + offset).into()).await;
+        let verb = if attempt == 0 { "send" } else { "resend" };
+        if fate.send_lost {
+            timeline.log(
+                message.number,
+                &format!("{verb}: lost on the way to the gateway"),
+            );
+            continue;
+        }
+        match phone
+            .send(message.id.as_bytes(), CONVERSATION, &message.body)
+            .await
+        {
+            Ok(Ok(ack)) if fate.ack_lost => {
+                timeline.log(
+                    message.number,
+                    &format!(
+                        "{verb}: {}, but the ACK is lost on the way back",
+                        describe(&ack)
+                    ),
+                );
+            }
+            Ok(Ok(ack)) => {
+                timeline.log(
+                    message.number,
+                    &format!("{verb}: {} -> ACK received", describe(&ack)),
+                );
+                return Delivery::Acked(ack);
+            }
+            Ok(Err(e)) => {
+                timeline.log(
+                    message.number,
+                    &format!("{verb}: error {} ({})", e.code, e.message),
+                );
+                if !e.retryable {
+                    return Delivery::Failed;
+                }
+            }
+            Err(e) => {
+                timeline.log(message.number, &format!("{verb}: connection problem: {e}"));
+            }
+        }
+    }
+    tokio::time::sleep_until(timeline.at(start + give_up).into()).await;
+    timeline.log(
+        message.number,
+        "no ACK: the phone gives up and shows it as failed",
+    );
+    Delivery::Failed
+}
+
+pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
+    args.check()?;
+    let dir = tempfile::tempdir().context("cannot create a temporary data directory")?;
+    let clock = ManualClock::new();
+    let mut options = ClusterOptions::new(dir.path(), Arc::new(clock.clone()));
+    options.shards = 2;
+    options.window = MemoryWindowOptions {
+        ttl: args.window_ttl,
+        ..MemoryWindowOptions::default()
+    };
+    let cluster = LocalCluster::start(options).await?;
+
+    println!(
+        "imdedup demo: gateway {}, ingest shards {}, storage {} (embedded SQLite)",
+        cluster.gateway_url(),
+        cluster.ingest_urls().join(" "),
+        cluster.storage_url()
+    );
+    println!(
+        "Ana sends {} messages to Ben; {:.0}% of sends and {:.0}% of ACKs are lost; resends at {:?} s, \
+         gives up at {} s; time runs {}x; seed {}.\n",
+        args.messages,
+        args.loss_send * 100.0,
+        args.loss_ack * 100.0,
+        args.schedule,
+        args.give_up,
+        args.speed,
+        args.seed
+    );
+
+    let mut rng = StdRng::seed_from_u64(args.seed);
+    let outbox: Vec<Outbox> = (1..=args.messages)
+        .map(|number| {
+            let bytes: [u8; 16] = rng.random();
+            let id = uuid::Builder::from_random_bytes(bytes)
+                .into_uuid()
+                .to_string();
+            let fates = args
+                .schedule
+                .iter()
+                .map(|_| Fate {
+                    send_lost: rng.random_bool(args.loss_send),
+                    ack_lost: rng.random_bool(args.loss_ack),
+                })
+                .collect();
+            let body = BODIES
+                .get(number - 1)
+                .map_or_else(|| format!("message {number}"), |b| (*b).to_owned());
+            Outbox {
+                number,
+                id,
+                body,
+                fates,
+            }
+        })
+        .collect();
+
+    let ana = Arc::new(
+        Client::connect(
+            &cluster.gateway_url(),
+            &cluster.token("ana")?,
+            Encoding::Json,
+        )
+        .await?,
+    );
+    let timeline = Arc::new(Timeline {
+        started: Instant::now(),
+        speed: args.speed,
+    });
+    let outbox = Arc::new(outbox);
+    let schedule = Arc::new(args.schedule.clone());
+    let mut tasks = Vec::new();
+    for index in 0..outbox.len() {
+        let (ana, outbox, schedule, timeline) = (
+            Arc::clone(&ana),
+            Arc::clone(&outbox),
+            Arc::clone(&schedule),
+            Arc::clone(&timeline),
+        );
+        let give_up = args.give_up;
+        tasks.push(tokio::spawn(async move {
+            deliver(&ana, &outbox[index], &schedule, give_up, &timeline).await
+        }));
+    }
+    let mut deliveries = Vec::new();
+    for task in tasks {
+        deliveries.push(task.await?);
+    }
+
+    let mut late: Option<AckReply> = None;
+    if !args.no_late_resend && outbox.len() >= 3 {
+        let third = &outbox[2];
+        clock.advance(Duration::from_secs(3600));
+        println!(
+            "\n  one hour later: the app, killed before #3's ACK reached it, reopens and resends #3 from its outbox"
+        );
+        match ana
+            .send(third.id.as_bytes(), CONVERSATION, &third.body)
+            .await?
+        {
+            Ok(ack) => {
+                println!("  t=+1h     #3  resend: {}", describe(&ack));
+                late = Some(ack);
+            }
+            Err(e) => println!("  t=+1h     #3  resend: error {} ({})", e.code, e.message),
+        }
+    }
+
+    let ben = Client::connect(
+        &cluster.gateway_url(),
+        &cluster.token("ben")?,
+        Encoding::Json,
+    )
+    .await?;
+    let seen = match ben.full_history(CONVERSATION).await? {
+        Ok(rows) => rows,
+        Err(e) => bail!("history pull failed: {} ({})", e.code, e.message),
+    };
+    let number_of: HashMap<&[u8], usize> =
+        outbox.iter().map(|m| (m.id.as_bytes(), m.number)).collect();
+    println!("\nWhat Ben sees in {CONVERSATION}:");
+    for row in &seen {
+        let number = number_of.get(row.id.as_slice()).copied().unwrap_or(0);
+        println!(
+            "  seq {:>2}  #{number}  {}: {}",
+            row.seq, row.sender, row.body
+        );
+    }
+
+    let mut copies: HashMap<&[u8], usize> = HashMap::new();
+    for row in &seen {
+        *copies.entry(row.id.as_slice()).or_default() += 1;
+    }
+    let repeats: usize = copies.values().map(|n| n - 1).sum();
+    // Lost: the server said "stored" (an ACK reached the phone, or was
+    // dropped on the way back) but Ben cannot see the message.
+    let acked: Vec<&Outbox> = outbox
+        .iter()
+        .zip(&deliveries)
+        .filter(|(_, d)| matches!(d, Delivery::Acked(_)))
+        .map(|(m, _)| m)
+        .collect();
+    let lost = acked
+        .iter()
+        .filter(|m| !copies.contains_key(m.id.as_bytes()))
+        .count();
+    let failed = deliveries
+        .iter()
+        .filter(|d| matches!(d, Delivery::Failed))
+        .count();
+    let counts = cluster.dedup_counts();
+
+    println!("\nSummary");
+    println!("  stored (Ben sees)            {:>3}", seen.len());
+    println!(
+        "  caught by the window         {:>3}   repeats answered from memory with the first ACK",
+        counts.duplicate_window
+    );
+    println!(
+        "  caught by the unique key     {:>3}   repeats past the window, answered from the database",
+        counts.duplicate_unique_key
+    );
+    println!("  repeats Ben sees             {repeats:>3}");
+    println!("  lost                         {lost:>3}");
+    if failed > 0 {
+        println!(
+            "  shown as failed on the phone {failed:>3}   (never ACKed within {} s; the outbox keeps them)",
+            args.give_up
+        );
+    }
+    if let Some(ack) = &late {
+        let first = deliveries[2].clone();
+        if let Delivery::Acked(first) = first {
+            println!(
+                "\nThe late resend of #3 got the same ACK as the first time: server id {} seq {} (first: {} / {}).",
+                ack.server_id, ack.seq, first.server_id, first.seq
+            );
+        }
+    }
+
+    drop((ana, ben));
+    cluster.shutdown().await;
+    if repeats > 0 || lost > 0 {
+        bail!("the receiver saw {repeats} repeats and {lost} lost messages");
+    }
+    Ok(())
+}

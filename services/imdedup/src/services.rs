@@ -1,0 +1,235 @@
+//! One service per process: flags with `IMDEDUP_*` environment fallbacks.
+
+use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
+
+use anyhow::Context;
+use clap::Args;
+use imdedup_core::{
+    clock::{Clock, SystemClock},
+    model::{DEFAULT_MAX_BODY_BYTES, Sender},
+    remote_store::RemoteStore,
+    store::MessageStore,
+    token::TokenKey,
+};
+use imdedup_gateway::{Gateway, GatewayConfig};
+use imdedup_ingest::{Dedup, MemoryWindow, MemoryWindowOptions};
+use imdedup_storage::{SqliteOptions, SqliteStore};
+use tokio::net::TcpListener;
+
+use crate::shutdown::serve_until_signal;
+
+fn duration(raw: &str) -> Result<Duration, humantime::DurationError> {
+    humantime::parse_duration(raw)
+}
+
+#[derive(Debug, Args)]
+pub struct StorageArgs {
+    /// Address of the gRPC server.
+    #[arg(long, env = "IMDEDUP_STORAGE_LISTEN", default_value = "127.0.0.1:7300")]
+    pub listen: SocketAddr,
+    /// Directory of the embedded database (messages.db).
+    #[arg(long, env = "IMDEDUP_DATA_DIR", default_value = "imdedup-data")]
+    pub data_dir: PathBuf,
+    /// Most inserts committed together (one fsync per batch).
+    #[arg(long, env = "IMDEDUP_STORAGE_MAX_BATCH", default_value_t = 512)]
+    pub max_batch: usize,
+    /// Time given to calls in flight after SIGTERM.
+    #[arg(long, env = "IMDEDUP_GRACE", default_value = "10s", value_parser = duration)]
+    pub grace: Duration,
+}
+
+#[derive(Debug, Args)]
+pub struct IngestArgs {
+    /// Address of the gRPC server.
+    #[arg(long, env = "IMDEDUP_INGEST_LISTEN", default_value = "127.0.0.1:7200")]
+    pub listen: SocketAddr,
+    /// URL of the storage service.
+    #[arg(
+        long,
+        env = "IMDEDUP_STORAGE_URL",
+        default_value = "http://127.0.0.1:7300"
+    )]
+    pub storage: String,
+    /// How long a stored ID is remembered by the recent-ID window.
+    #[arg(long, env = "IMDEDUP_WINDOW_TTL", default_value = "5m", value_parser = duration)]
+    pub window_ttl: Duration,
+    /// Life of a claim whose owner never finished; a little over the storage
+    /// timeout.
+    #[arg(long, env = "IMDEDUP_CLAIM_TTL", default_value = "3s", value_parser = duration)]
+    pub claim_ttl: Duration,
+    /// Most IDs the in-process window keeps.
+    #[arg(long, env = "IMDEDUP_WINDOW_MAX_KEYS", default_value_t = 2_000_000)]
+    pub window_max_keys: u64,
+    /// Deadline of one storage call.
+    #[arg(long, env = "IMDEDUP_STORAGE_TIMEOUT", default_value = "2s", value_parser = duration)]
+    pub storage_timeout: Duration,
+    /// Largest message body accepted, in bytes.
+    #[arg(long, env = "IMDEDUP_MAX_BODY_BYTES", default_value_t = DEFAULT_MAX_BODY_BYTES)]
+    pub max_body_bytes: usize,
+    /// Time given to sends in flight after SIGTERM.
+    #[arg(long, env = "IMDEDUP_GRACE", default_value = "10s", value_parser = duration)]
+    pub grace: Duration,
+}
+
+#[derive(Debug, Args)]
+pub struct GatewayArgs {
+    /// Address of the WebSocket server.
+    #[arg(long, env = "IMDEDUP_GATEWAY_LISTEN", default_value = "127.0.0.1:7100")]
+    pub listen: SocketAddr,
+    /// Ingest shard URLs, comma-separated. Every gateway must have the same
+    /// set, so they agree on which shard owns a conversation.
+    #[arg(long, env = "IMDEDUP_SHARDS", value_delimiter = ',', required = true)]
+    pub shards: Vec<String>,
+    /// URL of the storage service, for history pulls.
+    #[arg(
+        long,
+        env = "IMDEDUP_STORAGE_URL",
+        default_value = "http://127.0.0.1:7300"
+    )]
+    pub storage: String,
+    /// HMAC secret that signs tokens (at least 16 bytes).
+    #[arg(long, env = "IMDEDUP_TOKEN_SECRET", hide_env_values = true)]
+    pub token_secret: String,
+    /// Deadline of one send through ingest and storage.
+    #[arg(long, env = "IMDEDUP_SEND_TIMEOUT", default_value = "5s", value_parser = duration)]
+    pub send_timeout: Duration,
+    /// Largest message body accepted, in bytes.
+    #[arg(long, env = "IMDEDUP_MAX_BODY_BYTES", default_value_t = DEFAULT_MAX_BODY_BYTES)]
+    pub max_body_bytes: usize,
+    /// Most phone connections at once; more are refused with HTTP 503.
+    #[arg(long, env = "IMDEDUP_MAX_CONNECTIONS", default_value_t = 50_000)]
+    pub max_connections: usize,
+    /// Most sends and pulls in flight on one connection; the gateway stops
+    /// reading that connection until one finishes.
+    #[arg(long, env = "IMDEDUP_MAX_IN_FLIGHT", default_value_t = 256)]
+    pub max_in_flight: usize,
+    /// Time given to sends in flight after SIGTERM.
+    #[arg(long, env = "IMDEDUP_GRACE", default_value = "10s", value_parser = duration)]
+    pub grace: Duration,
+}
+
+#[derive(Debug, Args)]
+pub struct TokenArgs {
+    /// The user the token names.
+    #[arg(long)]
+    pub user: String,
+    /// How long the token is valid.
+    #[arg(long, default_value = "24h", value_parser = duration)]
+    pub ttl: Duration,
+    /// HMAC secret, the gateway's.
+    #[arg(long, env = "IMDEDUP_TOKEN_SECRET", hide_env_values = true)]
+    pub token_secret: String,
+}
+
+async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))
+}
+
+pub async fn storage(args: StorageArgs) -> anyhow::Result<()> {
+    let mut options = SqliteOptions::new(args.data_dir.join("messages.db"));
+    options.max_batch = args.max_batch;
+    let store: Arc<dyn MessageStore> = Arc::new(SqliteStore::open(&options)?);
+    let listener = bind(args.listen).await?;
+    tracing::info!(listen = %args.listen, db = %options.path.display(), "storage serving");
+    serve_until_signal("storage", args.grace, move |stop| {
+        imdedup_storage::serve(listener, store, stop)
+    })
+    .await
+}
+
+pub async fn ingest(args: IngestArgs) -> anyhow::Result<()> {
+    let store: Arc<dyn MessageStore> = Arc::new(RemoteStore::connect_lazy(
+        &args.storage,
+        args.storage_timeout,
+    )?);
+    let window = Arc::new(MemoryWindow::new(MemoryWindowOptions {
+        ttl: args.window_ttl,
+        claim_ttl: args.claim_ttl,
+        max_keys: args.window_max_keys,
+    }));
+    let dedup = Arc::new(Dedup::new(window, store, args.storage_timeout));
+    let listener = bind(args.listen).await?;
+    tracing::info!(listen = %args.listen, storage = %args.storage, window_ttl = ?args.window_ttl, "ingest serving");
+    let max_body = args.max_body_bytes;
+    serve_until_signal("ingest", args.grace, move |stop| {
+        imdedup_ingest::serve(listener, dedup, max_body, stop)
+    })
+    .await
+}
+
+pub async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
+    let gateway = Arc::new(Gateway::new(GatewayConfig {
+        shards: args.shards.clone(),
+        storage: args.storage,
+        token_key: TokenKey::new(args.token_secret)?,
+        send_timeout: args.send_timeout,
+        max_body_bytes: args.max_body_bytes,
+        max_connections: args.max_connections,
+        max_in_flight_per_connection: args.max_in_flight.max(1),
+        clock: Arc::new(SystemClock),
+    })?);
+    let listener = bind(args.listen).await?;
+    tracing::info!(listen = %args.listen, shards = ?args.shards, "gateway serving at ws://{}/v1/ws", args.listen);
+    serve_until_signal("gateway", args.grace, move |stop| {
+        imdedup_gateway::serve(listener, gateway, stop)
+    })
+    .await
+}
+
+pub fn token(args: TokenArgs) -> anyhow::Result<()> {
+    let key = TokenKey::new(args.token_secret)?;
+    let sender = Sender::parse(args.user)?;
+    let exp = SystemClock.unix_seconds() + args.ttl.as_secs();
+    println!("{}", key.mint(&sender, exp));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Wrap<T: Args> {
+        #[command(flatten)]
+        inner: T,
+    }
+
+    #[test]
+    fn ingest_defaults_follow_the_design() {
+        let args = Wrap::<IngestArgs>::try_parse_from(["ingest"])
+            .unwrap()
+            .inner;
+        assert_eq!(args.window_ttl, Duration::from_secs(300));
+        assert_eq!(args.max_body_bytes, DEFAULT_MAX_BODY_BYTES);
+    }
+
+    #[test]
+    fn gateway_takes_a_comma_separated_shard_list() {
+        let args = Wrap::<GatewayArgs>::try_parse_from([
+            "gateway",
+            "--shards",
+            "http://a:7200,http://b:7200",
+            "--token-secret",
+            "0123456789abcdef",
+            "--send-timeout",
+            "750ms",
+        ])
+        .unwrap()
+        .inner;
+        assert_eq!(args.shards, ["http://a:7200", "http://b:7200"]);
+        assert_eq!(args.send_timeout, Duration::from_millis(750));
+    }
+
+    #[test]
+    fn a_bad_duration_is_a_clear_error() {
+        let err = Wrap::<IngestArgs>::try_parse_from(["ingest", "--window-ttl", "five minutes"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("--window-ttl"), "{err}");
+    }
+}

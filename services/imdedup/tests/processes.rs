@@ -1,0 +1,190 @@
+//! The `imdedup` binary: the demo's verdict, and each service as its own
+//! process wired over real sockets, stopped by SIGTERM.
+
+use std::{
+    net::{SocketAddr, TcpListener},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use imdedup_client::{Client, Encoding};
+
+const BIN: &str = env!("CARGO_BIN_EXE_imdedup");
+
+#[test]
+fn the_demo_shows_no_repeats_no_losses_and_the_late_resend_caught_by_the_unique_key() {
+    let output = Command::new(BIN)
+        .args(["demo", "--speed", "100"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let count = |label: &str| -> u64 {
+        let line = stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with(label))
+            .unwrap_or_else(|| panic!("no {label:?} line in:\n{stdout}"));
+        line[line.find(label).unwrap() + label.len()..]
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    assert_eq!(count("stored (Ben sees)"), 8);
+    assert_eq!(count("repeats Ben sees"), 0);
+    assert_eq!(count("lost"), 0);
+    assert_eq!(count("caught by the unique key"), 1);
+    assert!(count("caught by the window") >= 1, "{stdout}");
+    assert!(
+        stdout.contains("#3  resend: repeat, caught by the unique key"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn the_demo_refuses_nonsense_flags() {
+    let output = Command::new(BIN)
+        .args(["demo", "--loss-send", "1.5"])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("--loss-send must be between 0 and 1")
+    );
+}
+
+fn free_addr() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+struct Service(Child);
+
+impl Service {
+    fn start(args: &[&str], data_dir: &std::path::Path) -> Self {
+        let child = Command::new(BIN)
+            .args(args)
+            .env("IMDEDUP_DATA_DIR", data_dir)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        Self(child)
+    }
+
+    /// SIGTERM, then the exit status within the grace period.
+    fn terminate(mut self) -> std::process::ExitStatus {
+        let pid = self.0.id().to_string();
+        assert!(
+            Command::new("kill")
+                .args(["-TERM", &pid])
+                .status()
+                .unwrap()
+                .success()
+        );
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if let Some(status) = self.0.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "service ignored SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn wait_listening(addr: SocketAddr) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(addr).is_err() {
+        assert!(Instant::now() < deadline, "nothing listens on {addr}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn services_run_as_separate_processes_and_stop_on_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    let (storage_addr, ingest_addr, gateway_addr) = (free_addr(), free_addr(), free_addr());
+    let secret = "process-test-secret-0123456789";
+    let storage = Service::start(
+        &["storage", "--listen", &storage_addr.to_string()],
+        dir.path(),
+    );
+    let storage_url = format!("http://{storage_addr}");
+    let ingest = Service::start(
+        &[
+            "ingest",
+            "--listen",
+            &ingest_addr.to_string(),
+            "--storage",
+            &storage_url,
+        ],
+        dir.path(),
+    );
+    let gateway = Service::start(
+        &[
+            "gateway",
+            "--listen",
+            &gateway_addr.to_string(),
+            "--shards",
+            &format!("http://{ingest_addr}"),
+            "--storage",
+            &storage_url,
+            "--token-secret",
+            secret,
+        ],
+        dir.path(),
+    );
+    for addr in [storage_addr, ingest_addr, gateway_addr] {
+        wait_listening(addr);
+    }
+
+    let token = Command::new(BIN)
+        .args(["token", "--user", "ana", "--token-secret", secret])
+        .output()
+        .unwrap();
+    let token = String::from_utf8(token.stdout).unwrap().trim().to_owned();
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        let ana = Client::connect(
+            &format!("ws://{gateway_addr}/v1/ws"),
+            &token,
+            Encoding::Json,
+        )
+        .await
+        .unwrap();
+        let first = ana
+            .send(b"p-1", "c", "over processes")
+            .await
+            .unwrap()
+            .unwrap();
+        let again = ana
+            .send(b"p-1", "c", "over processes")
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(first.outcome, "stored");
+        assert_eq!(again.outcome, "duplicate_window");
+        assert_eq!(again.seq, first.seq);
+    });
+
+    for service in [gateway, ingest, storage] {
+        assert!(service.terminate().success());
+    }
+    assert!(dir.path().join("messages.db").exists());
+}

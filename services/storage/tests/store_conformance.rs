@@ -1,0 +1,168 @@
+//! The store contract, checked against every backend: insert once, echo the
+//! original row on repeats, unique increasing seqs that repeats never spend,
+//! history in seq order, durability across a reopen.
+
+use std::sync::Arc;
+
+use imdedup_core::{
+    model::{Body, ClientMsgId, ConversationId, HistoryQuery, MessageKey, NewMessage, Sender},
+    store::{Insert, MessageStore},
+};
+use imdedup_storage::{SqliteOptions, SqliteStore};
+
+fn message(sender: &str, id: &str, conversation: &str, body: &str) -> NewMessage {
+    NewMessage {
+        key: MessageKey {
+            sender: Sender::parse(sender).unwrap(),
+            client_msg_id: ClientMsgId::parse(id.as_bytes().to_vec()).unwrap(),
+        },
+        conversation: ConversationId::parse(conversation).unwrap(),
+        body: Body::parse(body, 1 << 20).unwrap(),
+    }
+}
+
+fn history(conversation: &str, after_seq: u64) -> HistoryQuery {
+    HistoryQuery::new(
+        ConversationId::parse(conversation).unwrap(),
+        after_seq,
+        1000,
+    )
+    .unwrap()
+}
+
+async fn inserts_once_and_echoes_the_original(store: Arc<dyn MessageStore>, tag: &str) {
+    let conv = format!("{tag}-once");
+    let first = store
+        .insert_once(message("ana", "m1", &conv, "hello"))
+        .await
+        .unwrap();
+    let Insert::Stored(row) = first else {
+        panic!("first insert must store")
+    };
+    let again = store
+        .insert_once(message("ana", "m1", &conv, "hello"))
+        .await
+        .unwrap();
+    assert_eq!(again, Insert::AlreadyStored(row.clone()));
+    assert_eq!(store.lookup(&row.key).await.unwrap(), Some(row.clone()));
+    assert_eq!(store.history(&history(&conv, 0)).await.unwrap(), vec![row]);
+}
+
+async fn repeats_never_spend_a_seq(store: Arc<dyn MessageStore>, tag: &str) {
+    let conv = format!("{tag}-seq");
+    let mut seqs = Vec::new();
+    for id in ["a", "b", "a", "c", "b", "d"] {
+        let insert = store
+            .insert_once(message("ana", &format!("{conv}-{id}"), &conv, id))
+            .await
+            .unwrap();
+        if let Insert::Stored(row) = insert {
+            seqs.push(row.receipt.seq);
+        }
+    }
+    assert_eq!(seqs, [1, 2, 3, 4]);
+    let rows = store.history(&history(&conv, 2)).await.unwrap();
+    let bodies: Vec<&str> = rows.iter().map(|r| r.body.as_str()).collect();
+    assert_eq!(bodies, ["c", "d"], "history after seq 2, in seq order");
+}
+
+async fn concurrent_copies_store_one_row(store: Arc<dyn MessageStore>, tag: &str) {
+    let conv = format!("{tag}-race");
+    let mut tasks = Vec::new();
+    for copy in 0..32 {
+        let store = Arc::clone(&store);
+        let conv = conv.clone();
+        tasks.push(tokio::spawn(async move {
+            // 4 messages, 8 copies of each, all at once.
+            let id = format!("{conv}-m{}", copy % 4);
+            store
+                .insert_once(message("ana", &id, &conv, &id))
+                .await
+                .unwrap()
+        }));
+    }
+    let mut stored = 0;
+    let mut receipts = std::collections::HashMap::new();
+    for task in tasks {
+        let insert = task.await.unwrap();
+        if matches!(insert, Insert::Stored(_)) {
+            stored += 1;
+        }
+        let row = insert.message().clone();
+        let first = receipts.entry(row.key.clone()).or_insert(row.receipt);
+        assert_eq!(*first, row.receipt, "every copy gets the same receipt");
+    }
+    assert_eq!(stored, 4);
+    assert_eq!(store.history(&history(&conv, 0)).await.unwrap().len(), 4);
+}
+
+async fn keys_are_sender_and_id(store: Arc<dyn MessageStore>, tag: &str) {
+    let conv = format!("{tag}-keys");
+    for (sender, id) in [
+        ("ana", "x"),
+        ("ben", "x"),
+        ("a:b", "c"),
+        ("a", "b:c"),
+        ("ana", "X"),
+    ] {
+        let id = format!("{id}-{conv}");
+        let insert = store
+            .insert_once(message(sender, &id, &conv, "ok"))
+            .await
+            .unwrap();
+        assert!(
+            matches!(insert, Insert::Stored(_)),
+            "{sender}/{id} is a new message"
+        );
+    }
+    assert_eq!(store.history(&history(&conv, 0)).await.unwrap().len(), 5);
+}
+
+async fn conforms(store: Arc<dyn MessageStore>, tag: &str) {
+    inserts_once_and_echoes_the_original(Arc::clone(&store), tag).await;
+    repeats_never_spend_a_seq(Arc::clone(&store), tag).await;
+    concurrent_copies_store_one_row(Arc::clone(&store), tag).await;
+    keys_are_sender_and_id(store, tag).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_conforms() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(&SqliteOptions::new(dir.path().join("m.db"))).unwrap();
+    conforms(Arc::new(store), "sqlite").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_keeps_rows_and_the_unique_key_across_a_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = SqliteOptions::new(dir.path().join("m.db"));
+    let first = {
+        let store = SqliteStore::open(&options).unwrap();
+        store
+            .insert_once(message("ana", "m1", "c", "hi"))
+            .await
+            .unwrap()
+    };
+    let store = SqliteStore::open(&options).unwrap();
+    let again = store
+        .insert_once(message("ana", "m1", "c", "hi"))
+        .await
+        .unwrap();
+    assert_eq!(again, Insert::AlreadyStored(first.message().clone()));
+    let next = store
+        .insert_once(message("ana", "m2", "c", "next"))
+        .await
+        .unwrap();
+    assert_eq!(next.message().receipt.seq, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_reports_an_unusable_path_as_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, b"not a directory").unwrap();
+    let err = SqliteStore::open(&SqliteOptions::new(file.join("m.db")))
+        .err()
+        .unwrap();
+    assert!(err.message().contains("cannot"), "{err}");
+}
