@@ -28,14 +28,26 @@ pub async fn serve_grpc(
             .set_service_status(name, ServingStatus::Serving)
             .await;
     }
-    let reflection_v1 = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(imdedup_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    // List only what this server serves, not every service in the protos.
+    let reflection = || {
+        service_names
+            .iter()
+            .copied()
+            .chain([
+                "grpc.health.v1.Health",
+                "grpc.reflection.v1.ServerReflection",
+            ])
+            .fold(
+                tonic_reflection::server::Builder::configure()
+                    .register_encoded_file_descriptor_set(imdedup_proto::FILE_DESCRIPTOR_SET)
+                    .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET),
+                |builder, name| builder.with_service_name(name),
+            )
+    };
+    let reflection_v1 = reflection()
         .build_v1()
         .expect("the embedded descriptor sets are valid");
-    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(imdedup_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    let reflection_v1alpha = reflection()
         .build_v1alpha()
         .expect("the embedded descriptor sets are valid");
     let routes = routes

@@ -2,8 +2,10 @@
 //! storage to insert a new ID once, and answers every repeat with the
 //! original ACK.
 
+pub mod breaker;
 pub mod dedup;
 pub mod grpc;
+pub mod redis_window;
 pub mod window;
 
 use std::sync::Arc;
@@ -16,6 +18,7 @@ use tonic::service::Routes;
 
 pub use dedup::{Dedup, DedupCounts};
 pub use grpc::IngestGrpc;
+pub use redis_window::{RedisWindow, RedisWindowOptions};
 pub use window::{MemoryWindow, MemoryWindowOptions};
 
 /// Serve `dedup` as `imdedup.v1.IngestService` (plus health and reflection)

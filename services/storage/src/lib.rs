@@ -3,6 +3,7 @@
 //! one, and the history of a conversation by seq.
 
 pub mod grpc;
+pub mod scylla;
 pub mod sqlite;
 
 use std::sync::Arc;
@@ -14,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::service::Routes;
 
 pub use grpc::StorageGrpc;
+pub use scylla::{ScyllaOptions, ScyllaStore};
 pub use sqlite::{SqliteOptions, SqliteStore};
 
 /// Serve `store` as `imdedup.v1.StorageService` (plus health and reflection)

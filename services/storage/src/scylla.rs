@@ -1,0 +1,630 @@
+//! The ScyllaDB store (also runs on Apache Cassandra, the stand-in for tests).
+//!
+//! Tables (see [`migrate`]):
+//! - `messages_by_key`, keyed by (sender, client_msg_id), written with
+//!   `INSERT … IF NOT EXISTS`: the unique key. When the insert is not
+//!   applied, the existing row comes back and its server id and seq are
+//!   echoed. ScyllaDB returns the old row on every LWT reply, Cassandra only
+//!   when not applied, so replies are read by column name, untyped.
+//! - `messages_by_conversation`, keyed by (conversation, seq): history.
+//! - `leases`: blocks of seqs per conversation, and of server ids, leased
+//!   with LWTs, so no seq or id is ever handed out twice, across restarts and
+//!   failover.
+//!
+//! Inserts for one conversation are serialised in this process (allocate a
+//! seq, LWT, history row), so a message stored later never gets a smaller
+//! seq, and a repeat gives its seq back. Where gaps can appear: a lease
+//! block abandoned by a restart or a failover, and an LWT whose outcome is
+//! unknown (timeout). History pulls are range-based, so gaps are harmless.
+//!
+//! A crash between the unique-key row and the history row leaves a row that
+//! was never ACKed; the phone resends, the LWT is not applied, and the
+//! history row is written again from the stored row (an idempotent write).
+
+use std::{collections::HashMap, sync::Arc, time::Duration};
+
+use async_trait::async_trait;
+use imdedup_core::{
+    Error,
+    model::{
+        ClientMsgId, ConversationId, HistoryQuery, MessageKey, NewMessage, Receipt, Sender,
+        StoredMessage,
+    },
+    store::{Insert, MessageStore},
+};
+use scylla::{
+    client::{session::Session, session_builder::SessionBuilder},
+    response::query_result::QueryResult,
+    statement::{Consistency, SerialConsistency, prepared::PreparedStatement},
+    value::{CqlValue, Row},
+};
+use tokio::sync::Mutex;
+
+/// Settings of the ScyllaDB store.
+#[derive(Debug, Clone)]
+pub struct ScyllaOptions {
+    /// Contact points, `host:port`.
+    pub nodes: Vec<String>,
+    pub keyspace: String,
+    /// Replication factor for the keyspace the migration creates.
+    pub replication_factor: u32,
+    pub consistency: Consistency,
+    pub serial_consistency: SerialConsistency,
+    pub user: Option<String>,
+    pub password: Option<String>,
+    pub request_timeout: Duration,
+    /// Seqs leased per conversation at a time.
+    pub seq_block: u64,
+    /// Server ids leased at a time.
+    pub id_block: u64,
+}
+
+impl ScyllaOptions {
+    /// Production defaults: LOCAL_QUORUM and LOCAL_SERIAL, RF 3.
+    pub fn new(nodes: Vec<String>) -> Self {
+        Self {
+            nodes,
+            keyspace: "imdedup".to_owned(),
+            replication_factor: 3,
+            consistency: Consistency::LocalQuorum,
+            serial_consistency: SerialConsistency::LocalSerial,
+            user: None,
+            password: None,
+            request_timeout: Duration::from_secs(2),
+            seq_block: 100,
+            id_block: 10_000,
+        }
+    }
+
+    /// Settings for a single local node: RF 1. LOCAL_QUORUM of one is one.
+    pub fn single_node(nodes: Vec<String>) -> Self {
+        Self {
+            replication_factor: 1,
+            ..Self::new(nodes)
+        }
+    }
+}
+
+/// Parse a consistency level name (`local_quorum`, `quorum`, `one`, …).
+pub fn parse_consistency(raw: &str) -> Result<Consistency, Error> {
+    Ok(match raw.to_ascii_lowercase().as_str() {
+        "one" => Consistency::One,
+        "two" => Consistency::Two,
+        "three" => Consistency::Three,
+        "quorum" => Consistency::Quorum,
+        "all" => Consistency::All,
+        "local_quorum" => Consistency::LocalQuorum,
+        "each_quorum" => Consistency::EachQuorum,
+        "local_one" => Consistency::LocalOne,
+        other => {
+            return Err(Error::invalid(format!(
+                "unknown consistency level {other:?}"
+            )));
+        }
+    })
+}
+
+/// Parse a serial consistency level name (`local_serial` or `serial`).
+pub fn parse_serial_consistency(raw: &str) -> Result<SerialConsistency, Error> {
+    match raw.to_ascii_lowercase().as_str() {
+        "serial" => Ok(SerialConsistency::Serial),
+        "local_serial" => Ok(SerialConsistency::LocalSerial),
+        other => Err(Error::invalid(format!(
+            "unknown serial consistency {other:?}"
+        ))),
+    }
+}
+
+fn db_error(what: &str, e: impl std::fmt::Display) -> Error {
+    Error::unavailable(format!("cql {what}: {e}"))
+}
+
+/// Connect to the cluster.
+pub async fn connect(options: &ScyllaOptions) -> Result<Session, Error> {
+    if options.nodes.is_empty() {
+        return Err(Error::invalid("no ScyllaDB contact point"));
+    }
+    let mut builder = SessionBuilder::new().connection_timeout(Duration::from_secs(5));
+    for node in &options.nodes {
+        builder = builder.known_node(node);
+    }
+    if let Some(user) = &options.user {
+        builder = builder.user(user, options.password.clone().unwrap_or_default());
+    }
+    builder.build().await.map_err(|e| db_error("connect", e))
+}
+
+fn check_keyspace_name(name: &str) -> Result<(), Error> {
+    let ok = !name.is_empty()
+        && name.len() <= 48
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::invalid(format!(
+            "keyspace name {name:?} must be 1 to 48 letters, digits or underscores"
+        )))
+    }
+}
+
+/// Whether the server is ScyllaDB (rather than Cassandra).
+pub async fn is_scylla(session: &Session) -> Result<bool, Error> {
+    let result = session
+        .query_unpaged(
+            "SELECT table_name FROM system_schema.tables \
+             WHERE keyspace_name = 'system_schema' AND table_name = 'scylla_tables'",
+            (),
+        )
+        .await
+        .map_err(|e| db_error("probe", e))?;
+    Ok(!rows(result)?.is_empty())
+}
+
+/// Create the keyspace and tables if they do not exist. Idempotent.
+///
+/// ScyllaDB does not support LWT in tablets keyspaces, so on ScyllaDB the
+/// keyspace is created with tablets disabled (on versions without tablets
+/// the option is left out).
+pub async fn migrate(session: &Session, options: &ScyllaOptions) -> Result<(), Error> {
+    check_keyspace_name(&options.keyspace)?;
+    let ks = &options.keyspace;
+    let create_keyspace = format!(
+        "CREATE KEYSPACE IF NOT EXISTS {ks} WITH replication = \
+         {{'class': 'NetworkTopologyStrategy', 'replication_factor': {}}}",
+        options.replication_factor
+    );
+    if is_scylla(session).await? {
+        let with_tablets_off = format!("{create_keyspace} AND tablets = {{'enabled': false}}");
+        if let Err(e) = session.query_unpaged(with_tablets_off, ()).await {
+            if !e.to_string().to_lowercase().contains("tablets") {
+                return Err(db_error("create keyspace", e));
+            }
+            session
+                .query_unpaged(create_keyspace, ())
+                .await
+                .map_err(|e| db_error("create keyspace", e))?;
+        }
+    } else {
+        session
+            .query_unpaged(create_keyspace, ())
+            .await
+            .map_err(|e| db_error("create keyspace", e))?;
+    }
+    let tables = [
+        format!(
+            "CREATE TABLE IF NOT EXISTS {ks}.messages_by_key (
+                sender text, client_msg_id blob,
+                conversation text, seq bigint, server_id bigint, body text, stored_at_ms bigint,
+                PRIMARY KEY ((sender, client_msg_id)))"
+        ),
+        format!(
+            "CREATE TABLE IF NOT EXISTS {ks}.messages_by_conversation (
+                conversation text, seq bigint,
+                sender text, client_msg_id blob, server_id bigint, body text, stored_at_ms bigint,
+                PRIMARY KEY ((conversation), seq))
+             WITH CLUSTERING ORDER BY (seq ASC)"
+        ),
+        format!(
+            "CREATE TABLE IF NOT EXISTS {ks}.leases (
+                scope text, name text, next_free bigint,
+                PRIMARY KEY ((scope, name)))"
+        ),
+    ];
+    for statement in tables {
+        session
+            .query_unpaged(statement, ())
+            .await
+            .map_err(|e| db_error("create table", e))?;
+    }
+    session
+        .await_schema_agreement()
+        .await
+        .map_err(|e| db_error("schema agreement", e))?;
+    Ok(())
+}
+
+fn rows(result: QueryResult) -> Result<Vec<HashMap<String, Option<CqlValue>>>, Error> {
+    let rows = result
+        .into_rows_result()
+        .map_err(|e| db_error("result", e))?;
+    let names: Vec<String> = rows
+        .column_specs()
+        .iter()
+        .map(|c| c.name().to_owned())
+        .collect();
+    rows.rows::<Row>()
+        .map_err(|e| db_error("result", e))?
+        .map(|row| {
+            let row = row.map_err(|e| db_error("row", e))?;
+            Ok(names.iter().cloned().zip(row.columns).collect())
+        })
+        .collect()
+}
+
+/// Read an LWT reply: whether it was applied, and the existing row's columns
+/// (present when not applied; ScyllaDB also sends them, as nulls or the old
+/// row, when applied).
+fn lwt(result: QueryResult) -> Result<(bool, HashMap<String, Option<CqlValue>>), Error> {
+    let mut rows = rows(result)?;
+    let row = rows
+        .pop()
+        .ok_or_else(|| Error::internal("LWT reply without a row"))?;
+    let applied = matches!(row.get("[applied]"), Some(Some(CqlValue::Boolean(true))));
+    Ok((applied, row))
+}
+
+fn column<'a>(
+    row: &'a HashMap<String, Option<CqlValue>>,
+    name: &str,
+) -> Result<&'a CqlValue, Error> {
+    row.get(name)
+        .and_then(Option::as_ref)
+        .ok_or_else(|| Error::internal(format!("row without column {name}")))
+}
+
+fn text(row: &HashMap<String, Option<CqlValue>>, name: &str) -> Result<String, Error> {
+    match column(row, name)? {
+        CqlValue::Text(s) | CqlValue::Ascii(s) => Ok(s.clone()),
+        other => Err(Error::internal(format!(
+            "column {name} is {other:?}, not text"
+        ))),
+    }
+}
+
+fn bigint(row: &HashMap<String, Option<CqlValue>>, name: &str) -> Result<i64, Error> {
+    match column(row, name)? {
+        CqlValue::BigInt(v) => Ok(*v),
+        other => Err(Error::internal(format!(
+            "column {name} is {other:?}, not bigint"
+        ))),
+    }
+}
+
+fn blob(row: &HashMap<String, Option<CqlValue>>, name: &str) -> Result<Vec<u8>, Error> {
+    match column(row, name)? {
+        CqlValue::Blob(v) => Ok(v.clone()),
+        other => Err(Error::internal(format!(
+            "column {name} is {other:?}, not blob"
+        ))),
+    }
+}
+
+fn to_message(row: &HashMap<String, Option<CqlValue>>) -> Result<StoredMessage, Error> {
+    let bad = |e: Error| Error::internal(format!("malformed stored row: {}", e.message()));
+    Ok(StoredMessage {
+        key: MessageKey {
+            sender: Sender::parse(text(row, "sender")?).map_err(bad)?,
+            client_msg_id: ClientMsgId::parse(blob(row, "client_msg_id")?).map_err(bad)?,
+        },
+        conversation: ConversationId::parse(text(row, "conversation")?).map_err(bad)?,
+        body: text(row, "body")?,
+        receipt: Receipt {
+            server_id: u64::try_from(bigint(row, "server_id")?).unwrap_or_default(),
+            seq: u64::try_from(bigint(row, "seq")?).unwrap_or_default(),
+        },
+        stored_at_ms: bigint(row, "stored_at_ms")?,
+    })
+}
+
+fn to_i64(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+struct Statements {
+    insert_key: PreparedStatement,
+    insert_history: PreparedStatement,
+    select_key: PreparedStatement,
+    history: PreparedStatement,
+    lease_read: PreparedStatement,
+    lease_init: PreparedStatement,
+    lease_cas: PreparedStatement,
+}
+
+/// A half-open range of numbers this process may hand out.
+#[derive(Debug, Default, Clone, Copy)]
+struct Block {
+    next: u64,
+    end: u64,
+}
+
+/// The ScyllaDB [`MessageStore`].
+pub struct ScyllaStore {
+    session: Arc<Session>,
+    statements: Statements,
+    options: ScyllaOptions,
+    /// Seq blocks and the insert lock, per conversation.
+    conversations: moka::sync::Cache<String, Arc<Mutex<Block>>>,
+    server_ids: Mutex<Block>,
+}
+
+impl ScyllaStore {
+    /// Connect, migrate, and prepare the statements.
+    pub async fn open(options: ScyllaOptions) -> Result<Self, Error> {
+        let session = connect(&options).await?;
+        migrate(&session, &options).await?;
+        Self::with_session(Arc::new(session), options).await
+    }
+
+    /// Prepare the statements on an existing, migrated session.
+    pub async fn with_session(
+        session: Arc<Session>,
+        options: ScyllaOptions,
+    ) -> Result<Self, Error> {
+        check_keyspace_name(&options.keyspace)?;
+        let ks = &options.keyspace;
+        let prepare = |cql: String, lwt: bool| {
+            let session = Arc::clone(&session);
+            let options = options.clone();
+            async move {
+                let mut statement = session
+                    .prepare(cql)
+                    .await
+                    .map_err(|e| db_error("prepare", e))?;
+                statement.set_consistency(options.consistency);
+                statement.set_request_timeout(Some(options.request_timeout));
+                if lwt {
+                    statement.set_serial_consistency(Some(options.serial_consistency));
+                } else {
+                    statement.set_is_idempotent(true);
+                }
+                Ok::<_, Error>(statement)
+            }
+        };
+        const COLUMNS: &str =
+            "sender, client_msg_id, conversation, body, server_id, seq, stored_at_ms";
+        let mut lease_read = prepare(
+            format!("SELECT next_free FROM {ks}.leases WHERE scope = ? AND name = ?"),
+            false,
+        )
+        .await?;
+        // Read what earlier LWTs wrote, even if not yet on a quorum.
+        lease_read.set_consistency(match options.serial_consistency {
+            SerialConsistency::Serial => Consistency::Serial,
+            SerialConsistency::LocalSerial => Consistency::LocalSerial,
+        });
+        let statements = Statements {
+            insert_key: prepare(
+                format!(
+                    "INSERT INTO {ks}.messages_by_key ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?) IF NOT EXISTS"
+                ),
+                true,
+            )
+            .await?,
+            insert_history: prepare(
+                format!("INSERT INTO {ks}.messages_by_conversation ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"),
+                false,
+            )
+            .await?,
+            select_key: prepare(
+                format!("SELECT {COLUMNS} FROM {ks}.messages_by_key WHERE sender = ? AND client_msg_id = ?"),
+                false,
+            )
+            .await?,
+            history: prepare(
+                format!(
+                    "SELECT {COLUMNS} FROM {ks}.messages_by_conversation \
+                     WHERE conversation = ? AND seq > ? ORDER BY seq ASC LIMIT ?"
+                ),
+                false,
+            )
+            .await?,
+            lease_read,
+            lease_init: prepare(
+                format!("INSERT INTO {ks}.leases (scope, name, next_free) VALUES (?, ?, ?) IF NOT EXISTS"),
+                true,
+            )
+            .await?,
+            lease_cas: prepare(
+                format!("UPDATE {ks}.leases SET next_free = ? WHERE scope = ? AND name = ? IF next_free = ?"),
+                true,
+            )
+            .await?,
+        };
+        Ok(Self {
+            session,
+            statements,
+            conversations: moka::sync::Cache::builder()
+                .max_capacity(1_000_000)
+                .time_to_idle(Duration::from_secs(600))
+                .build(),
+            server_ids: Mutex::new(Block::default()),
+            options,
+        })
+    }
+
+    /// Lease the next `size` numbers of (scope, name): an LWT on the lease
+    /// row, retried when another process leased first.
+    async fn lease(&self, scope: &str, name: &str, size: u64) -> Result<Block, Error> {
+        for _ in 0..64 {
+            let current = rows(
+                self.session
+                    .execute_unpaged(&self.statements.lease_read, (scope, name))
+                    .await
+                    .map_err(|e| db_error("lease read", e))?,
+            )?;
+            let (applied, start) = match current.first() {
+                None => {
+                    let end = 1 + size;
+                    let reply = self
+                        .session
+                        .execute_unpaged(&self.statements.lease_init, (scope, name, to_i64(end)))
+                        .await
+                        .map_err(|e| db_error("lease", e))?;
+                    (lwt(reply)?.0, 1)
+                }
+                Some(row) => {
+                    let start = u64::try_from(bigint(row, "next_free")?).unwrap_or_default();
+                    let reply = self
+                        .session
+                        .execute_unpaged(
+                            &self.statements.lease_cas,
+                            (to_i64(start + size), scope, name, to_i64(start)),
+                        )
+                        .await
+                        .map_err(|e| db_error("lease", e))?;
+                    (lwt(reply)?.0, start)
+                }
+            };
+            if applied {
+                tracing::debug!(scope, name, start, size, "leased a block");
+                return Ok(Block {
+                    next: start,
+                    end: start + size,
+                });
+            }
+        }
+        Err(Error::unavailable(format!(
+            "could not lease {scope} numbers: too much contention"
+        )))
+    }
+
+    async fn next_server_id(&self) -> Result<u64, Error> {
+        let mut block = self.server_ids.lock().await;
+        if block.next >= block.end {
+            *block = self.lease("server_id", "", self.options.id_block).await?;
+        }
+        let id = block.next;
+        block.next += 1;
+        Ok(id)
+    }
+
+    async fn write_history(&self, row: &StoredMessage) -> Result<(), Error> {
+        self.session
+            .execute_unpaged(
+                &self.statements.insert_history,
+                (
+                    row.key.sender.as_str(),
+                    row.key.client_msg_id.as_bytes(),
+                    row.conversation.as_str(),
+                    row.body.as_str(),
+                    to_i64(row.receipt.server_id),
+                    to_i64(row.receipt.seq),
+                    row.stored_at_ms,
+                ),
+            )
+            .await
+            .map_err(|e| db_error("history write", e))?;
+        Ok(())
+    }
+}
+
+fn unix_millis() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+#[async_trait]
+impl MessageStore for ScyllaStore {
+    async fn insert_once(&self, message: NewMessage) -> Result<Insert, Error> {
+        let conversation = message.conversation.as_str().to_owned();
+        let slot = self.conversations.get_with(conversation.clone(), || {
+            Arc::new(Mutex::new(Block::default()))
+        });
+        // One insert at a time per conversation: seqs follow storage order.
+        let mut seqs = slot.lock().await;
+        if seqs.next >= seqs.end {
+            *seqs = self
+                .lease("seq", &conversation, self.options.seq_block)
+                .await?;
+        }
+        let seq = seqs.next;
+        let row = StoredMessage {
+            receipt: Receipt {
+                server_id: self.next_server_id().await?,
+                seq,
+            },
+            key: message.key,
+            conversation: message.conversation,
+            body: message.body.into_string(),
+            stored_at_ms: unix_millis(),
+        };
+        let reply = self
+            .session
+            .execute_unpaged(
+                &self.statements.insert_key,
+                (
+                    row.key.sender.as_str(),
+                    row.key.client_msg_id.as_bytes(),
+                    row.conversation.as_str(),
+                    row.body.as_str(),
+                    to_i64(row.receipt.server_id),
+                    to_i64(seq),
+                    row.stored_at_ms,
+                ),
+            )
+            .await;
+        let (applied, existing) = match reply {
+            Ok(reply) => lwt(reply)?,
+            Err(e) => {
+                // The outcome is unknown: the seq stays spent (a possible gap),
+                // and the resend decides.
+                seqs.next += 1;
+                return Err(db_error("insert", e));
+            }
+        };
+        if applied {
+            seqs.next += 1;
+            // Still under the lock: a reader never sees seq n+1 before n.
+            self.write_history(&row).await?;
+            Ok(Insert::Stored(row))
+        } else {
+            // A repeat: the seq was not used, keep it for the next message.
+            drop(seqs);
+            let original = to_message(&existing)?;
+            // Repairs a history row lost to a crash after the LWT.
+            self.write_history(&original).await?;
+            Ok(Insert::AlreadyStored(original))
+        }
+    }
+
+    async fn lookup(&self, key: &MessageKey) -> Result<Option<StoredMessage>, Error> {
+        let result = self
+            .session
+            .execute_unpaged(
+                &self.statements.select_key,
+                (key.sender.as_str(), key.client_msg_id.as_bytes()),
+            )
+            .await
+            .map_err(|e| db_error("lookup", e))?;
+        rows(result)?.first().map(to_message).transpose()
+    }
+
+    async fn history(&self, query: &HistoryQuery) -> Result<Vec<StoredMessage>, Error> {
+        let limit = i32::try_from(query.limit).unwrap_or(i32::MAX);
+        let result = self
+            .session
+            .execute_unpaged(
+                &self.statements.history,
+                (query.conversation.as_str(), to_i64(query.after_seq), limit),
+            )
+            .await
+            .map_err(|e| db_error("history", e))?;
+        rows(result)?.iter().map(to_message).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn consistency_names_parse() {
+        assert_eq!(
+            parse_consistency("LOCAL_QUORUM").unwrap(),
+            Consistency::LocalQuorum
+        );
+        assert_eq!(
+            parse_serial_consistency("serial").unwrap(),
+            SerialConsistency::Serial
+        );
+        assert!(parse_consistency("most").is_err());
+    }
+
+    #[test]
+    fn keyspace_names_are_plain_identifiers() {
+        assert!(check_keyspace_name("imdedup_test").is_ok());
+        assert!(check_keyspace_name("x; DROP").is_err());
+        assert!(check_keyspace_name("").is_err());
+    }
+}
