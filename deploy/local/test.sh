@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# Runs imdedup's whole test suite: builds the workspace and runs every unit
-# and integration test. This is the README's test command, and what CI runs.
+# Runs imdedup's whole test suite: starts a real Redis, a 3-master Redis
+# Cluster and Apache Cassandra 5.0 (the CQL stand-in for ScyllaDB) on
+# loopback with deploy/local/services.sh, installing what is missing, runs
+# every unit and integration test against the embedded backends and the real
+# ones, and stops the services again. This is the README's test command, and
+# what CI runs.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
@@ -8,5 +12,22 @@ if ! command -v cargo >/dev/null 2>&1; then
   echo "test: cargo is not on PATH; install Rust with rustup first" >&2
   exit 1
 fi
+
+# Build first, so the services do not sit idle through a cold compile.
+cargo test --workspace --locked --no-run
+
+started_here=0
+if ! deploy/local/services.sh status >/dev/null 2>&1; then
+  started_here=1
+fi
+stop_services() {
+  if [ "$started_here" = 1 ] && [ -z "${IMDEDUP_KEEP_SERVICES:-}" ]; then
+    deploy/local/services.sh down || true
+  fi
+}
+trap stop_services EXIT
+
+eval "$(deploy/local/services.sh up --redis --cassandra --redis-cluster)"
+export IMDEDUP_TEST_REDIS_URL IMDEDUP_TEST_SCYLLA IMDEDUP_TEST_REDIS_CLUSTER
 
 cargo test --workspace --locked "$@"

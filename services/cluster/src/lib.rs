@@ -14,16 +14,33 @@ use imdedup_core::{
     token::TokenKey,
 };
 use imdedup_gateway::{Gateway, GatewayConfig};
-use imdedup_ingest::{Dedup, DedupCounts, MemoryWindow, MemoryWindowOptions};
-use imdedup_storage::{SqliteOptions, SqliteStore};
+use imdedup_core::window::RecentWindow;
+use imdedup_ingest::{
+    Dedup, DedupCounts, MemoryWindow, MemoryWindowOptions, RedisWindow, RedisWindowOptions,
+};
+use imdedup_storage::{ScyllaOptions, ScyllaStore, SqliteOptions, SqliteStore};
 use tokio::{net::TcpListener, task::JoinHandle};
 use tokio_util::sync::CancellationToken;
 
 /// The secret behind [`LocalCluster::token`]: for local use only.
 pub const DEV_TOKEN_SECRET: &str = "imdedup-local-dev-secret-not-for-production";
 
+/// Which backends the cluster runs on.
+#[derive(Clone)]
+pub enum Backends {
+    /// The in-process window and SQLite behind the storage service.
+    Embedded,
+    /// A Redis (or Redis Cluster) window, and ScyllaDB (or Cassandra), which
+    /// each ingest shard writes directly and the storage service reads.
+    Real {
+        redis: RedisWindowOptions,
+        scylla: ScyllaOptions,
+    },
+}
+
 #[derive(Clone)]
 pub struct ClusterOptions {
+    pub backends: Backends,
     /// Where the embedded database lives.
     pub data_dir: PathBuf,
     /// Number of ingest shards.
@@ -41,6 +58,7 @@ pub struct ClusterOptions {
 impl ClusterOptions {
     pub fn new(data_dir: impl Into<PathBuf>, clock: SharedClock) -> Self {
         Self {
+            backends: Backends::Embedded,
             data_dir: data_dir.into(),
             shards: 2,
             window: MemoryWindowOptions::default(),
@@ -106,7 +124,7 @@ impl LocalCluster {
 
         let storage_listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
         let storage_addr = storage_listener.local_addr()?;
-        let storage = Some(start_storage(&options, storage_listener)?);
+        let storage = Some(start_storage(&options, storage_listener).await?);
         let storage_url = format!("http://{storage_addr}");
 
         let mut ingest_addrs = Vec::new();
@@ -114,14 +132,25 @@ impl LocalCluster {
         for _ in 0..options.shards.max(1) {
             let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
             ingest_addrs.push(listener.local_addr()?);
-            let store: Arc<dyn MessageStore> = Arc::new(RemoteStore::connect_lazy(
-                &storage_url,
-                options.storage_timeout,
-            )?);
-            let window = Arc::new(MemoryWindow::with_clock(
-                options.window.clone(),
-                Arc::clone(&options.clock),
-            ));
+            let (window, store): (Arc<dyn RecentWindow>, Arc<dyn MessageStore>) =
+                match &options.backends {
+                    Backends::Embedded => (
+                        Arc::new(MemoryWindow::with_clock(
+                            options.window.clone(),
+                            Arc::clone(&options.clock),
+                        )),
+                        Arc::new(RemoteStore::connect_lazy(
+                            &storage_url,
+                            options.storage_timeout,
+                        )?),
+                    ),
+                    // Each shard has its own window client and its own store
+                    // (its own seq leases), as separate processes would.
+                    Backends::Real { redis, scylla } => (
+                        Arc::new(RedisWindow::connect(redis.clone()).await?),
+                        Arc::new(ScyllaStore::open(scylla.clone()).await?),
+                    ),
+                };
             let dedup = Arc::new(Dedup::new(window, store, options.storage_timeout));
             let serving = Arc::clone(&dedup);
             let max_body = options.max_body_bytes;
@@ -219,7 +248,7 @@ impl LocalCluster {
         self.stop_storage().await;
         // The old writer thread lets go of the file once its queue closes.
         let listener = bind(self.storage_addr).await?;
-        self.storage = Some(start_storage(&self.options, listener)?);
+        self.storage = Some(start_storage(&self.options, listener).await?);
         Ok(())
     }
 
@@ -235,11 +264,14 @@ impl LocalCluster {
     }
 }
 
-fn start_storage(options: &ClusterOptions, listener: TcpListener) -> anyhow::Result<Running> {
-    let store: Arc<dyn MessageStore> = Arc::new(
-        SqliteStore::open(&SqliteOptions::new(options.data_dir.join("messages.db")))
-            .context("cannot open the embedded database")?,
-    );
+async fn start_storage(options: &ClusterOptions, listener: TcpListener) -> anyhow::Result<Running> {
+    let store: Arc<dyn MessageStore> = match &options.backends {
+        Backends::Embedded => Arc::new(
+            SqliteStore::open(&SqliteOptions::new(options.data_dir.join("messages.db")))
+                .context("cannot open the embedded database")?,
+        ),
+        Backends::Real { scylla, .. } => Arc::new(ScyllaStore::open(scylla.clone()).await?),
+    };
     Ok(spawn("storage", move |stop| {
         imdedup_storage::serve(listener, store, stop)
     }))

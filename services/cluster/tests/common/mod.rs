@@ -1,0 +1,172 @@
+//! Test support: a local cluster on either backend, and the ways a test
+//! moves time or breaks storage on each.
+
+#![allow(dead_code)]
+
+use std::{sync::Arc, time::Duration};
+
+use imdedup_client::{Client, Encoding};
+use imdedup_cluster::{Backends, ClusterOptions, LocalCluster};
+use imdedup_core::clock::ManualClock;
+use imdedup_ingest::{RedisWindowOptions, window::DEFAULT_WINDOW_TTL};
+use imdedup_storage::ScyllaOptions;
+
+/// Which backends a test runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Embedded,
+    /// Redis and the CQL database from `deploy/local/services.sh`.
+    Real,
+}
+
+/// The real backends' endpoints, from the environment that
+/// `deploy/local/test.sh` sets up. Missing endpoints fail the test, unless
+/// IMDEDUP_SKIP_REAL_BACKENDS=1 says to skip on purpose.
+pub fn real_endpoints() -> Option<(String, String)> {
+    let redis = std::env::var("IMDEDUP_TEST_REDIS_URL").ok();
+    let scylla = std::env::var("IMDEDUP_TEST_SCYLLA").ok();
+    match (redis, scylla) {
+        (Some(redis), Some(scylla)) => Some((redis, scylla)),
+        _ if std::env::var("IMDEDUP_SKIP_REAL_BACKENDS").as_deref() == Ok("1") => {
+            eprintln!("skipping a real-backend test: IMDEDUP_SKIP_REAL_BACKENDS=1");
+            None
+        }
+        _ => panic!(
+            "IMDEDUP_TEST_REDIS_URL and IMDEDUP_TEST_SCYLLA are not set: run the tests with \
+             deploy/local/test.sh, or start the services with \
+             `eval \"$(deploy/local/services.sh up)\"` (IMDEDUP_SKIP_REAL_BACKENDS=1 skips them)"
+        ),
+    }
+}
+
+pub fn unique_tag() -> String {
+    uuid::Uuid::new_v4().simple().to_string()[..12].to_owned()
+}
+
+pub struct Harness {
+    pub cluster: LocalCluster,
+    pub clock: ManualClock,
+    pub kind: Kind,
+    pub options: ClusterOptions,
+    pub dir: tempfile::TempDir,
+}
+
+/// Options for a cluster of `kind`, isolated from every other test (own
+/// data dir, own keyspace and Redis key prefix). `None`: skipped on purpose.
+pub fn options(kind: Kind, dir: &tempfile::TempDir, clock: &ManualClock) -> Option<ClusterOptions> {
+    let mut options = ClusterOptions::new(dir.path(), Arc::new(clock.clone()));
+    if kind == Kind::Real {
+        let (redis_url, scylla) = real_endpoints()?;
+        let tag = unique_tag();
+        let mut redis = RedisWindowOptions::new(vec![redis_url]);
+        redis.key_prefix = format!("t{tag}:");
+        let mut scylla = ScyllaOptions::single_node(vec![scylla]);
+        scylla.keyspace = format!("t{tag}");
+        options.backends = Backends::Real { redis, scylla };
+    }
+    Some(options)
+}
+
+pub async fn start(kind: Kind) -> Option<Harness> {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new();
+    let options = options(kind, &dir, &clock)?;
+    let cluster = LocalCluster::start(options.clone()).await.unwrap();
+    Some(Harness {
+        cluster,
+        clock,
+        kind,
+        options,
+        dir,
+    })
+}
+
+impl Harness {
+    pub async fn connect(&self, user: &str, encoding: Encoding) -> Client {
+        let token = self.cluster.token(user).unwrap();
+        Client::connect(&self.cluster.gateway_url(), &token, encoding)
+            .await
+            .unwrap()
+    }
+
+    /// Let the recent-ID window forget everything, as its TTL passing would.
+    /// Embedded: move the clock. Redis: its clock is its own, so delete this
+    /// test's keys (what expiry does), after checking they carry the TTL.
+    pub async fn expire_window(&self) {
+        match &self.options.backends {
+            Backends::Embedded => self.clock.advance(DEFAULT_WINDOW_TTL + Duration::from_secs(1)),
+            Backends::Real { redis, .. } => {
+                let client = redis::Client::open(redis.urls[0].as_str()).unwrap();
+                let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+                let keys: Vec<Vec<u8>> = redis::cmd("KEYS")
+                    .arg(format!("{}*", redis.key_prefix))
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap();
+                for key in keys {
+                    let ttl_ms: i64 = redis::cmd("PTTL").arg(&key).query_async(&mut conn).await.unwrap();
+                    assert!(
+                        ttl_ms > 0 && ttl_ms <= i64::try_from(redis.ttl.as_millis()).unwrap(),
+                        "every window key expires within the window TTL, got {ttl_ms} ms"
+                    );
+                    let _: i64 = redis::cmd("DEL").arg(&key).query_async(&mut conn).await.unwrap();
+                }
+            }
+        }
+    }
+
+    /// Make storage fail. Embedded: stop the storage server. Real: drop the
+    /// unique-key table, so every insert fails in the database itself.
+    pub async fn break_storage(&mut self) {
+        match &self.options.backends {
+            Backends::Embedded => self.cluster.stop_storage().await,
+            Backends::Real { scylla, .. } => {
+                let session = imdedup_storage::scylla::connect(scylla).await.unwrap();
+                session
+                    .query_unpaged(format!("DROP TABLE {}.messages_by_key", scylla.keyspace), ())
+                    .await
+                    .unwrap();
+            }
+        }
+    }
+
+    /// Bring storage back (the data of the embedded store is on disk; the
+    /// real one is migrated again, as at startup).
+    pub async fn repair_storage(&mut self) {
+        match &self.options.backends {
+            Backends::Embedded => self.cluster.restart_storage().await.unwrap(),
+            Backends::Real { scylla, .. } => {
+                let session = imdedup_storage::scylla::connect(scylla).await.unwrap();
+                imdedup_storage::scylla::migrate(&session, scylla).await.unwrap();
+            }
+        }
+    }
+}
+
+pub async fn rows(client: &Client, conversation: &str) -> Vec<imdedup_client::HistoryMessage> {
+    client.full_history(conversation).await.unwrap().unwrap()
+}
+
+/// Run each listed `async fn(Kind)` test on the embedded backends and on
+/// Redis plus the CQL database.
+#[macro_export]
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod embedded {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::common::Kind::Embedded).await;
+                }
+            )*
+        }
+        mod real {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::common::Kind::Real).await;
+                }
+            )*
+        }
+    };
+}
