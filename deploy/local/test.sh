@@ -16,8 +16,9 @@ fi
 # Build first, so the services do not sit idle through a cold compile.
 cargo test --workspace --locked --no-run
 
+# Stop the services at the end only if none were running before.
 started_here=0
-if ! deploy/local/services.sh status >/dev/null 2>&1; then
+if [ -z "$(deploy/local/services.sh env 2>/dev/null)" ]; then
   started_here=1
 fi
 stop_services() {

@@ -6,6 +6,7 @@
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::Context;
+use imdedup_core::window::RecentWindow;
 use imdedup_core::{
     clock::SharedClock,
     model::{DEFAULT_MAX_BODY_BYTES, Sender},
@@ -14,7 +15,6 @@ use imdedup_core::{
     token::TokenKey,
 };
 use imdedup_gateway::{Gateway, GatewayConfig};
-use imdedup_core::window::RecentWindow;
 use imdedup_ingest::{
     Dedup, DedupCounts, MemoryWindow, MemoryWindowOptions, RedisWindow, RedisWindowOptions,
 };

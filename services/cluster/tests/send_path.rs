@@ -115,7 +115,11 @@ async fn simultaneous_copies_through_two_ingest_instances_store_one_row(kind: Ki
     assert_eq!(stored.len(), 50);
     let mut seqs: Vec<u64> = stored.iter().map(|m| m.seq).collect();
     if kind == Kind::Embedded {
-        assert_eq!(seqs, (1..=50).collect::<Vec<_>>(), "no seq spent on a repeat");
+        assert_eq!(
+            seqs,
+            (1..=50).collect::<Vec<_>>(),
+            "no seq spent on a repeat"
+        );
     } else {
         // Two shards writing one conversation (a failover) each lease their
         // own block of seqs: unique, but not contiguous.
@@ -235,7 +239,9 @@ async fn many_sends_in_flight_on_one_connection_get_unique_increasing_seqs(kind:
 }
 
 async fn storage_down_gives_a_retryable_error_and_the_resend_is_stored(kind: Kind) {
-    let Some(mut h) = start(kind).await else { return };
+    let Some(mut h) = start(kind).await else {
+        return;
+    };
     let ana = h.connect("ana", Encoding::Json).await;
     ana.send(b"before", "c", "stored first")
         .await
@@ -270,7 +276,9 @@ async fn storage_down_gives_a_retryable_error_and_the_resend_is_stored(kind: Kin
 }
 
 async fn after_a_storage_restart_earlier_messages_are_still_caught(kind: Kind) {
-    let Some(mut h) = start(kind).await else { return };
+    let Some(mut h) = start(kind).await else {
+        return;
+    };
     let ana = h.connect("ana", Encoding::Json).await;
     let first = ana.send(b"m-1", "c", "hello").await.unwrap().unwrap();
 
@@ -289,7 +297,9 @@ async fn after_a_storage_restart_earlier_messages_are_still_caught(kind: Kind) {
 async fn a_whole_cluster_restart_keeps_the_messages_and_the_guarantee(kind: Kind) {
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::new();
-    let Some(options) = common::options(kind, &dir, &clock) else { return };
+    let Some(options) = common::options(kind, &dir, &clock) else {
+        return;
+    };
     let cluster = LocalCluster::start(options.clone()).await.unwrap();
     let token = cluster.token("ana").unwrap();
     let ana = Client::connect(&cluster.gateway_url(), &token, Encoding::Json)
@@ -312,7 +322,10 @@ async fn a_whole_cluster_restart_keeps_the_messages_and_the_guarantee(kind: Kind
     assert_eq!(again.outcome, expected);
     assert_eq!((again.server_id, again.seq), (first.server_id, first.seq));
     let next = ana.send(b"m-2", "c", "next").await.unwrap().unwrap();
-    assert!(next.seq > first.seq, "seqs keep increasing across a restart");
+    assert!(
+        next.seq > first.seq,
+        "seqs keep increasing across a restart"
+    );
     if kind == Kind::Embedded {
         assert_eq!(next.seq, 2, "the embedded store allocates without gaps");
     }

@@ -94,7 +94,9 @@ impl Harness {
     /// test's keys (what expiry does), after checking they carry the TTL.
     pub async fn expire_window(&self) {
         match &self.options.backends {
-            Backends::Embedded => self.clock.advance(DEFAULT_WINDOW_TTL + Duration::from_secs(1)),
+            Backends::Embedded => self
+                .clock
+                .advance(DEFAULT_WINDOW_TTL + Duration::from_secs(1)),
             Backends::Real { redis, .. } => {
                 let client = redis::Client::open(redis.urls[0].as_str()).unwrap();
                 let mut conn = client.get_multiplexed_async_connection().await.unwrap();
@@ -104,12 +106,20 @@ impl Harness {
                     .await
                     .unwrap();
                 for key in keys {
-                    let ttl_ms: i64 = redis::cmd("PTTL").arg(&key).query_async(&mut conn).await.unwrap();
+                    let ttl_ms: i64 = redis::cmd("PTTL")
+                        .arg(&key)
+                        .query_async(&mut conn)
+                        .await
+                        .unwrap();
                     assert!(
                         ttl_ms > 0 && ttl_ms <= i64::try_from(redis.ttl.as_millis()).unwrap(),
                         "every window key expires within the window TTL, got {ttl_ms} ms"
                     );
-                    let _: i64 = redis::cmd("DEL").arg(&key).query_async(&mut conn).await.unwrap();
+                    let _: i64 = redis::cmd("DEL")
+                        .arg(&key)
+                        .query_async(&mut conn)
+                        .await
+                        .unwrap();
                 }
             }
         }
@@ -123,7 +133,10 @@ impl Harness {
             Backends::Real { scylla, .. } => {
                 let session = imdedup_storage::scylla::connect(scylla).await.unwrap();
                 session
-                    .query_unpaged(format!("DROP TABLE {}.messages_by_key", scylla.keyspace), ())
+                    .query_unpaged(
+                        format!("DROP TABLE {}.messages_by_key", scylla.keyspace),
+                        (),
+                    )
                     .await
                     .unwrap();
             }
@@ -137,7 +150,9 @@ impl Harness {
             Backends::Embedded => self.cluster.restart_storage().await.unwrap(),
             Backends::Real { scylla, .. } => {
                 let session = imdedup_storage::scylla::connect(scylla).await.unwrap();
-                imdedup_storage::scylla::migrate(&session, scylla).await.unwrap();
+                imdedup_storage::scylla::migrate(&session, scylla)
+                    .await
+                    .unwrap();
             }
         }
     }

@@ -1,0 +1,249 @@
+//! The recent-ID window contract, on the in-process window, a real Redis and
+//! a real 3-master Redis Cluster; and Redis killed in the middle of sending.
+
+use std::{
+    net::TcpListener,
+    process::{Child, Command, Stdio},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use imdedup_core::{
+    model::{Body, ClientMsgId, ConversationId, MessageKey, NewMessage, Outcome, Receipt, Sender},
+    window::{Claim, ClaimToken, RecentWindow},
+};
+use imdedup_ingest::{Dedup, MemoryWindow, MemoryWindowOptions, RedisWindow, RedisWindowOptions};
+use imdedup_storage::{SqliteOptions, SqliteStore};
+
+fn key(sender: &str, id: &str) -> MessageKey {
+    MessageKey {
+        sender: Sender::parse(sender).unwrap(),
+        client_msg_id: ClientMsgId::parse(id.as_bytes().to_vec()).unwrap(),
+    }
+}
+
+fn tag() -> String {
+    uuid::Uuid::new_v4().simple().to_string()[..12].to_owned()
+}
+
+const RECEIPT: Receipt = Receipt {
+    server_id: 9_000_000_001,
+    seq: 77,
+};
+
+/// Claim, echo, in-flight, compare-and-delete: the same on every backend.
+async fn conforms(window: Arc<dyn RecentWindow>) {
+    let t = tag();
+    let m1 = key("ana", &format!("{t}-1"));
+    let Claim::Owned(token) = window.claim(&m1).await.unwrap() else {
+        panic!("the first copy owns the claim")
+    };
+    // A second copy while the first is in flight is told so, not "seen".
+    assert_eq!(window.claim(&m1).await.unwrap(), Claim::InFlight);
+    // Release by someone else's token does nothing; by the owner's, frees it.
+    window
+        .release(&m1, &ClaimToken("not-the-owner".into()))
+        .await
+        .unwrap();
+    assert_eq!(window.claim(&m1).await.unwrap(), Claim::InFlight);
+    window.release(&m1, &token).await.unwrap();
+    let Claim::Owned(token) = window.claim(&m1).await.unwrap() else {
+        panic!("a released claim can be taken again")
+    };
+    // After a successful insert the window echoes the receipt.
+    window.remember(&m1, &token, RECEIPT).await.unwrap();
+    assert_eq!(window.claim(&m1).await.unwrap(), Claim::Seen(RECEIPT));
+    // A stale release after remember never forgets the receipt.
+    window.release(&m1, &token).await.unwrap();
+    assert_eq!(window.claim(&m1).await.unwrap(), Claim::Seen(RECEIPT));
+
+    // Keys are (sender, id), injective.
+    for other in [
+        key("ben", &format!("{t}-1")),
+        key(&format!("ana:{t}-1"), "x"),
+    ] {
+        assert!(matches!(
+            window.claim(&other).await.unwrap(),
+            Claim::Owned(_)
+        ));
+    }
+    let a = key("a:b", &format!("c{t}"));
+    let b = key("a", &format!("b:c{t}"));
+    let Claim::Owned(ta) = window.claim(&a).await.unwrap() else {
+        panic!()
+    };
+    window.remember(&a, &ta, RECEIPT).await.unwrap();
+    assert!(matches!(window.claim(&b).await.unwrap(), Claim::Owned(_)));
+}
+
+#[tokio::test]
+async fn memory_window_conforms() {
+    conforms(Arc::new(MemoryWindow::new(MemoryWindowOptions::default()))).await;
+}
+
+fn real(var: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(v) => Some(v),
+        Err(_) if std::env::var("IMDEDUP_SKIP_REAL_BACKENDS").as_deref() == Ok("1") => None,
+        Err(_) => panic!(
+            "{var} is not set: run deploy/local/test.sh (IMDEDUP_SKIP_REAL_BACKENDS=1 skips)"
+        ),
+    }
+}
+
+#[tokio::test]
+async fn redis_window_conforms_and_sets_the_ttls() {
+    let Some(url) = real("IMDEDUP_TEST_REDIS_URL") else {
+        return;
+    };
+    let mut options = RedisWindowOptions::new(vec![url.clone()]);
+    options.key_prefix = format!("w{}:", tag());
+    let window = Arc::new(RedisWindow::connect(options.clone()).await.unwrap());
+    conforms(window.clone()).await;
+
+    // The claim lives for the claim TTL, the receipt for the window TTL.
+    let client = redis::Client::open(url).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let m = key("ana", "ttl");
+    let raw_key = [options.key_prefix.as_bytes(), &m.to_bytes()].concat();
+    let Claim::Owned(token) = window.claim(&m).await.unwrap() else {
+        panic!()
+    };
+    let claim_ttl: i64 = redis::cmd("PTTL")
+        .arg(&raw_key)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(claim_ttl > 0 && claim_ttl <= 3_000, "claim ttl {claim_ttl}");
+    window.remember(&m, &token, RECEIPT).await.unwrap();
+    let window_ttl: i64 = redis::cmd("PTTL")
+        .arg(&raw_key)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(
+        window_ttl > 290_000 && window_ttl <= 300_000,
+        "window ttl {window_ttl}"
+    );
+}
+
+#[tokio::test]
+async fn redis_cluster_window_conforms() {
+    let Some(urls) = real("IMDEDUP_TEST_REDIS_CLUSTER") else {
+        return;
+    };
+    let mut options = RedisWindowOptions::new(urls.split(',').map(str::to_owned).collect());
+    options.cluster = true;
+    options.key_prefix = format!("c{}:", tag());
+    conforms(Arc::new(RedisWindow::connect(options).await.unwrap())).await;
+}
+
+/// A redis-server of this test's own, so it can be killed.
+struct OwnRedis {
+    port: u16,
+    child: Child,
+}
+
+impl OwnRedis {
+    fn start(port: u16) -> Self {
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("redis-server is on PATH (deploy/local/services.sh installs it)");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "redis-server did not start");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Self { port, child }
+    }
+
+    fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn message(id: &str) -> NewMessage {
+    NewMessage {
+        key: key("ana", id),
+        conversation: ConversationId::parse("c").unwrap(),
+        body: Body::parse("hi", 100).unwrap(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_mid_sending_is_bypassed_then_used_again() {
+    if real("IMDEDUP_TEST_REDIS_URL").is_none() {
+        return;
+    }
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let redis = OwnRedis::start(port);
+    let mut options = RedisWindowOptions::new(vec![format!("redis://127.0.0.1:{port}")]);
+    options.breaker_cooldown = Duration::from_millis(200);
+    let window = Arc::new(RedisWindow::connect(options).await.unwrap());
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(SqliteStore::open(&SqliteOptions::new(dir.path().join("m.db"))).unwrap());
+    let dedup = Dedup::new(window.clone(), store, Duration::from_secs(2));
+
+    let first = dedup.send(message("m1")).await.unwrap();
+    assert_eq!(
+        dedup.send(message("m1")).await.unwrap().outcome,
+        Outcome::DuplicateWindow
+    );
+
+    redis.kill();
+    // Sends keep succeeding, straight to the unique key: nothing lost,
+    // nothing doubled.
+    let again = dedup.send(message("m1")).await.unwrap();
+    assert_eq!(again.outcome, Outcome::DuplicateUniqueKey);
+    assert_eq!(again.receipt, first.receipt);
+    for i in 2..20 {
+        let ack = dedup.send(message(&format!("m{i}"))).await.unwrap();
+        assert_eq!(ack.outcome, Outcome::Stored);
+        let repeat = dedup.send(message(&format!("m{i}"))).await.unwrap();
+        assert_eq!(repeat.outcome, Outcome::DuplicateUniqueKey);
+        assert_eq!(repeat.receipt, ack.receipt);
+    }
+    let counts = dedup.stats().snapshot();
+    assert!(
+        counts.window_bypassed >= 37,
+        "every send while down is counted: {counts:?}"
+    );
+    assert!(
+        window.bypassing(),
+        "the breaker is open while Redis is down"
+    );
+
+    // Redis comes back (empty): the window is used again.
+    let redis = OwnRedis::start(port);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut n = 100;
+    loop {
+        n += 1;
+        let id = format!("m{n}");
+        dedup.send(message(&id)).await.unwrap();
+        if dedup.send(message(&id)).await.unwrap().outcome == Outcome::DuplicateWindow {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the window never came back");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(!window.bypassing());
+    assert_eq!(redis.port, port);
+    redis.kill();
+}
