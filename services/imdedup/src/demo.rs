@@ -13,12 +13,16 @@ use std::{
 use anyhow::{Context, bail};
 use clap::Args;
 use imdedup_client::{AckReply, Client, Encoding};
-use imdedup_cluster::{ClusterOptions, LocalCluster};
-use imdedup_core::clock::ManualClock;
-use imdedup_ingest::MemoryWindowOptions;
+use imdedup_cluster::{Backends, ClusterOptions, LocalCluster};
+use imdedup_core::{
+    clock::ManualClock,
+    model::{ClientMsgId, MessageKey, Sender},
+};
+use imdedup_ingest::{MemoryWindowOptions, RedisWindow, window::DEFAULT_CLAIM_TTL};
+
+use crate::backends::{RedisArgs, ScyllaArgs};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
-const CONVERSATION: &str = "ana-ben";
 const BODIES: [&str; 8] = [
     "Hi Ben",
     "Are you home?",
@@ -61,6 +65,10 @@ pub struct DemoArgs {
     /// Leave out the resend of message 3 an hour later.
     #[arg(long)]
     no_late_resend: bool,
+    #[command(flatten)]
+    redis: RedisArgs,
+    #[command(flatten)]
+    scylla: ScyllaArgs,
 }
 
 impl DemoArgs {
@@ -141,6 +149,7 @@ fn describe(ack: &AckReply) -> String {
 
 async fn deliver(
     phone: &Client,
+    conversation: &str,
     message: &Outbox,
     schedule: &[f64],
     give_up: f64,
@@ -158,7 +167,7 @@ async fn deliver(
             continue;
         }
         match phone
-            .send(message.id.as_bytes(), CONVERSATION, &message.body)
+            .send(message.id.as_bytes(), conversation, &message.body)
             .await
         {
             Ok(Ok(ack)) if fate.ack_lost => {
@@ -209,10 +218,37 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         ttl: args.window_ttl,
         ..MemoryWindowOptions::default()
     };
+    let redis = args.redis.options(args.window_ttl, DEFAULT_CLAIM_TTL)?;
+    let scylla = args.scylla.options_with_default_rf(1)?;
+    let real = match (&redis, &scylla) {
+        (Some(redis), Some(scylla)) => {
+            options.backends = Backends::Real {
+                redis: redis.clone(),
+                scylla: scylla.clone(),
+            };
+            true
+        }
+        (None, None) => false,
+        _ => bail!("give both --redis and --scylla, or neither (embedded backends)"),
+    };
     let cluster = LocalCluster::start(options).await?;
+    // A database that outlives the run gets a conversation of this run's own.
+    let conversation = if real {
+        format!(
+            "ana-ben-{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        )
+    } else {
+        "ana-ben".to_owned()
+    };
+    let backends = if real {
+        "Redis window, ScyllaDB/CQL store"
+    } else {
+        "in-process window, embedded SQLite"
+    };
 
     println!(
-        "imdedup demo: gateway {}, ingest shards {}, storage {} (embedded SQLite)",
+        "imdedup demo ({backends}): gateway {}, ingest shards {}, storage {}",
         cluster.gateway_url(),
         cluster.ingest_urls().join(" "),
         cluster.storage_url()
@@ -279,8 +315,17 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             Arc::clone(&timeline),
         );
         let give_up = args.give_up;
+        let conversation = conversation.clone();
         tasks.push(tokio::spawn(async move {
-            deliver(&ana, &outbox[index], &schedule, give_up, &timeline).await
+            deliver(
+                &ana,
+                &conversation,
+                &outbox[index],
+                &schedule,
+                give_up,
+                &timeline,
+            )
+            .await
         }));
     }
     let mut deliveries = Vec::new();
@@ -292,11 +337,22 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     if !args.no_late_resend && outbox.len() >= 3 {
         let third = &outbox[2];
         clock.advance(Duration::from_secs(3600));
+        if let Some(redis) = &redis {
+            // Redis keeps its own time: forget the key, as an hour would.
+            let key = MessageKey {
+                sender: Sender::parse("ana")?,
+                client_msg_id: ClientMsgId::parse(third.id.as_bytes().to_vec())?,
+            };
+            RedisWindow::connect(redis.clone())
+                .await?
+                .forget(&key)
+                .await?;
+        }
         println!(
             "\n  one hour later: the app, killed before #3's ACK reached it, reopens and resends #3 from its outbox"
         );
         match ana
-            .send(third.id.as_bytes(), CONVERSATION, &third.body)
+            .send(third.id.as_bytes(), &conversation, &third.body)
             .await?
         {
             Ok(ack) => {
@@ -313,13 +369,13 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         Encoding::Json,
     )
     .await?;
-    let seen = match ben.full_history(CONVERSATION).await? {
+    let seen = match ben.full_history(&conversation).await? {
         Ok(rows) => rows,
         Err(e) => bail!("history pull failed: {} ({})", e.code, e.message),
     };
     let number_of: HashMap<&[u8], usize> =
         outbox.iter().map(|m| (m.id.as_bytes(), m.number)).collect();
-    println!("\nWhat Ben sees in {CONVERSATION}:");
+    println!("\nWhat Ben sees in {conversation}:");
     for row in &seen {
         let number = number_of.get(row.id.as_slice()).copied().unwrap_or(0);
         println!(

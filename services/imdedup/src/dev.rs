@@ -3,9 +3,13 @@
 
 use std::{net::SocketAddr, path::PathBuf, sync::Arc};
 
+use anyhow::bail;
 use clap::Args;
-use imdedup_cluster::{ClusterOptions, DEV_TOKEN_SECRET, LocalCluster};
+use imdedup_cluster::{Backends, ClusterOptions, DEV_TOKEN_SECRET, LocalCluster};
 use imdedup_core::clock::SystemClock;
+use imdedup_ingest::{MemoryWindowOptions, window::DEFAULT_CLAIM_TTL};
+
+use crate::backends::{RedisArgs, ScyllaArgs};
 
 #[derive(Debug, Args)]
 pub struct DevArgs {
@@ -21,17 +25,36 @@ pub struct DevArgs {
     /// Users to print tokens for, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "ana,ben")]
     users: Vec<String>,
+    /// How long the recent-ID window remembers a stored ID.
+    #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+    window_ttl: std::time::Duration,
+    #[command(flatten)]
+    redis: RedisArgs,
+    #[command(flatten)]
+    scylla: ScyllaArgs,
 }
 
 pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let mut options = ClusterOptions::new(&args.data_dir, Arc::new(SystemClock));
     options.gateway_addr = args.listen;
     options.shards = args.shards;
+    options.window = MemoryWindowOptions {
+        ttl: args.window_ttl,
+        ..MemoryWindowOptions::default()
+    };
+    let redis = args.redis.options(args.window_ttl, DEFAULT_CLAIM_TTL)?;
+    let scylla = args.scylla.options_with_default_rf(1)?;
+    let backends = match (redis, scylla) {
+        (Some(redis), Some(scylla)) => {
+            let described = format!("Redis {:?}, ScyllaDB {:?}", redis.urls, scylla.nodes);
+            options.backends = Backends::Real { redis, scylla };
+            described
+        }
+        (None, None) => format!("embedded backends, data in {}", args.data_dir.display()),
+        _ => bail!("give both --redis and --scylla, or neither (embedded backends)"),
+    };
     let cluster = LocalCluster::start(options).await?;
-    println!(
-        "imdedup dev cluster (embedded backends, data in {})",
-        args.data_dir.display()
-    );
+    println!("imdedup dev cluster ({backends})");
     println!("  WebSocket   {}", cluster.gateway_url());
     println!("  ingest gRPC {}", cluster.ingest_urls().join(" "));
     println!("  storage gRPC {}", cluster.storage_url());

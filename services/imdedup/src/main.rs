@@ -1,6 +1,7 @@
 //! The `imdedup` command: each service as its own process, plus the demo and
 //! a local dev cluster. Parsing and wiring only; the services are libraries.
 
+mod backends;
 mod demo;
 mod dev;
 mod services;
@@ -32,6 +33,8 @@ enum Command {
     Ingest(services::IngestArgs),
     /// Run the gateway (WebSocket for phones).
     Gateway(services::GatewayArgs),
+    /// Create or update the ScyllaDB schema, then exit.
+    Migrate(services::MigrateArgs),
     /// Mint a token for a user, signed with the gateway's secret.
     Token(services::TokenArgs),
 }
@@ -67,6 +70,10 @@ async fn main() -> anyhow::Result<()> {
         Command::Gateway(args) => {
             init_tracing("info");
             services::gateway(args).await
+        }
+        Command::Migrate(args) => {
+            init_tracing("warn");
+            services::migrate(args).await
         }
         Command::Token(args) => services::token(args),
     }

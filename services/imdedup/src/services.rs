@@ -4,6 +4,7 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::Context;
 use clap::Args;
+use imdedup_core::window::RecentWindow;
 use imdedup_core::{
     clock::{Clock, SystemClock},
     model::{DEFAULT_MAX_BODY_BYTES, Sender},
@@ -12,8 +13,10 @@ use imdedup_core::{
     token::TokenKey,
 };
 use imdedup_gateway::{Gateway, GatewayConfig};
-use imdedup_ingest::{Dedup, MemoryWindow, MemoryWindowOptions};
-use imdedup_storage::{SqliteOptions, SqliteStore};
+use imdedup_ingest::{Dedup, MemoryWindow, MemoryWindowOptions, RedisWindow};
+use imdedup_storage::{ScyllaStore, SqliteOptions, SqliteStore};
+
+use crate::backends::{RedisArgs, ScyllaArgs};
 use tokio::net::TcpListener;
 
 use crate::shutdown::serve_until_signal;
@@ -36,6 +39,14 @@ pub struct StorageArgs {
     /// Time given to calls in flight after SIGTERM.
     #[arg(long, env = "IMDEDUP_GRACE", default_value = "10s", value_parser = duration)]
     pub grace: Duration,
+    #[command(flatten)]
+    pub scylla: ScyllaArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct MigrateArgs {
+    #[command(flatten)]
+    pub scylla: ScyllaArgs,
 }
 
 #[derive(Debug, Args)]
@@ -69,6 +80,12 @@ pub struct IngestArgs {
     /// Time given to sends in flight after SIGTERM.
     #[arg(long, env = "IMDEDUP_GRACE", default_value = "10s", value_parser = duration)]
     pub grace: Duration,
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    /// With --scylla, the shard writes to ScyllaDB itself (it owns its
+    /// conversations' seqs) instead of going through the storage service.
+    #[command(flatten)]
+    pub scylla: ScyllaArgs,
 }
 
 #[derive(Debug, Args)]
@@ -128,11 +145,20 @@ async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
 }
 
 pub async fn storage(args: StorageArgs) -> anyhow::Result<()> {
-    let mut options = SqliteOptions::new(args.data_dir.join("messages.db"));
-    options.max_batch = args.max_batch;
-    let store: Arc<dyn MessageStore> = Arc::new(SqliteStore::open(&options)?);
+    let store: Arc<dyn MessageStore> = match args.scylla.options()? {
+        Some(scylla) => {
+            tracing::info!(nodes = ?scylla.nodes, keyspace = %scylla.keyspace, "storage on ScyllaDB");
+            Arc::new(ScyllaStore::open(scylla).await?)
+        }
+        None => {
+            let mut options = SqliteOptions::new(args.data_dir.join("messages.db"));
+            options.max_batch = args.max_batch;
+            tracing::info!(db = %options.path.display(), "storage on embedded SQLite");
+            Arc::new(SqliteStore::open(&options)?)
+        }
+    };
     let listener = bind(args.listen).await?;
-    tracing::info!(listen = %args.listen, db = %options.path.display(), "storage serving");
+    tracing::info!(listen = %args.listen, "storage serving");
     serve_until_signal("storage", args.grace, move |stop| {
         imdedup_storage::serve(listener, store, stop)
     })
@@ -140,15 +166,21 @@ pub async fn storage(args: StorageArgs) -> anyhow::Result<()> {
 }
 
 pub async fn ingest(args: IngestArgs) -> anyhow::Result<()> {
-    let store: Arc<dyn MessageStore> = Arc::new(RemoteStore::connect_lazy(
-        &args.storage,
-        args.storage_timeout,
-    )?);
-    let window = Arc::new(MemoryWindow::new(MemoryWindowOptions {
-        ttl: args.window_ttl,
-        claim_ttl: args.claim_ttl,
-        max_keys: args.window_max_keys,
-    }));
+    let store: Arc<dyn MessageStore> = match args.scylla.options()? {
+        Some(scylla) => Arc::new(ScyllaStore::open(scylla).await?),
+        None => Arc::new(RemoteStore::connect_lazy(
+            &args.storage,
+            args.storage_timeout,
+        )?),
+    };
+    let window: Arc<dyn RecentWindow> = match args.redis.options(args.window_ttl, args.claim_ttl)? {
+        Some(redis) => Arc::new(RedisWindow::connect(redis).await?),
+        None => Arc::new(MemoryWindow::new(MemoryWindowOptions {
+            ttl: args.window_ttl,
+            claim_ttl: args.claim_ttl,
+            max_keys: args.window_max_keys,
+        })),
+    };
     let dedup = Arc::new(Dedup::new(window, store, args.storage_timeout));
     let listener = bind(args.listen).await?;
     tracing::info!(listen = %args.listen, storage = %args.storage, window_ttl = ?args.window_ttl, "ingest serving");
@@ -176,6 +208,16 @@ pub async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
         imdedup_gateway::serve(listener, gateway, stop)
     })
     .await
+}
+
+pub async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
+    let Some(options) = args.scylla.options()? else {
+        anyhow::bail!("migrate needs --scylla (or IMDEDUP_SCYLLA_NODES)");
+    };
+    let session = imdedup_storage::scylla::connect(&options).await?;
+    imdedup_storage::scylla::migrate(&session, &options).await?;
+    println!("keyspace {} is up to date", options.keyspace);
+    Ok(())
 }
 
 pub fn token(args: TokenArgs) -> anyhow::Result<()> {

@@ -11,10 +11,10 @@ use imdedup_client::{Client, Encoding};
 
 const BIN: &str = env!("CARGO_BIN_EXE_imdedup");
 
-#[test]
-fn the_demo_shows_no_repeats_no_losses_and_the_late_resend_caught_by_the_unique_key() {
+fn check_demo(extra: &[&str]) {
     let output = Command::new(BIN)
         .args(["demo", "--speed", "100"])
+        .args(extra)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
@@ -44,6 +44,34 @@ fn the_demo_shows_no_repeats_no_losses_and_the_late_resend_caught_by_the_unique_
         stdout.contains("#3  resend: repeat, caught by the unique key"),
         "{stdout}"
     );
+}
+
+#[test]
+fn the_demo_shows_no_repeats_no_losses_and_the_late_resend_caught_by_the_unique_key() {
+    check_demo(&[]);
+}
+
+#[test]
+fn the_demo_on_redis_and_the_cql_database_gives_the_same_verdict() {
+    let (Ok(redis), Ok(scylla)) = (
+        std::env::var("IMDEDUP_TEST_REDIS_URL"),
+        std::env::var("IMDEDUP_TEST_SCYLLA"),
+    ) else {
+        assert_eq!(
+            std::env::var("IMDEDUP_SKIP_REAL_BACKENDS").as_deref(),
+            Ok("1"),
+            "IMDEDUP_TEST_REDIS_URL / IMDEDUP_TEST_SCYLLA are not set: run deploy/local/test.sh"
+        );
+        return;
+    };
+    check_demo(&[
+        "--redis",
+        &redis,
+        "--scylla",
+        &scylla,
+        "--scylla-keyspace",
+        "imdedup_demo_test",
+    ]);
 }
 
 #[test]

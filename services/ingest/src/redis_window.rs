@@ -55,6 +55,9 @@ pub struct RedisWindowOptions {
     /// Failures in a row that open the breaker, and how long it stays open.
     pub breaker_threshold: u32,
     pub breaker_cooldown: Duration,
+    /// PEM of the CA that signs the server certificate, for `rediss://`
+    /// URLs; without it the webpki roots are trusted.
+    pub ca_pem: Option<Vec<u8>>,
 }
 
 impl RedisWindowOptions {
@@ -69,6 +72,7 @@ impl RedisWindowOptions {
             pending_wait: Duration::from_millis(50),
             breaker_threshold: 3,
             breaker_cooldown: Duration::from_secs(1),
+            ca_pem: None,
         }
     }
 }
@@ -129,7 +133,11 @@ impl RedisWindow {
         }
         let connect_timeout = options.timeout.max(Duration::from_secs(1));
         let connection = if options.cluster {
-            let client = ClusterClient::builder(options.urls.clone())
+            let mut builder = ClusterClient::builder(options.urls.clone());
+            if let Some(ca) = &options.ca_pem {
+                builder = builder.certs(tls_roots(ca));
+            }
+            let client = builder
                 .connection_timeout(connect_timeout)
                 .response_timeout(options.timeout)
                 .retries(1)
@@ -142,8 +150,12 @@ impl RedisWindow {
                     .map_err(|e| redis_error("cluster connect", &e))?;
             Connection::Cluster(connection)
         } else {
-            let client = redis::Client::open(options.urls[0].as_str())
-                .map_err(|e| Error::invalid(format!("bad redis url: {e}")))?;
+            let url = options.urls[0].as_str();
+            let client = match &options.ca_pem {
+                Some(ca) => redis::Client::build_with_tls(url, tls_roots(ca)),
+                None => redis::Client::open(url),
+            }
+            .map_err(|e| Error::invalid(format!("bad redis url: {e}")))?;
             let config = ConnectionManagerConfig::new()
                 .set_connection_timeout(Some(connect_timeout))
                 .set_response_timeout(Some(options.timeout))
@@ -166,6 +178,20 @@ impl RedisWindow {
             )),
             options,
         })
+    }
+
+    /// Forget `key` now, as if its TTL had passed (an operator's tool, and
+    /// the demo's way to jump an hour ahead).
+    pub async fn forget(&self, key: &MessageKey) -> Result<(), Error> {
+        let mut connection = self.connection.clone();
+        self.call(
+            "forget",
+            redis::cmd("DEL")
+                .arg(self.key(key))
+                .query_async::<i64>(&mut connection),
+        )
+        .await
+        .map(|_| ())
     }
 
     /// Whether the breaker is open (Redis is being bypassed).
@@ -213,6 +239,13 @@ impl RedisWindow {
             redis::cmd("GET").arg(key).query_async(&mut connection),
         )
         .await
+    }
+}
+
+fn tls_roots(ca_pem: &[u8]) -> redis::TlsCertificates {
+    redis::TlsCertificates {
+        client_tls: None,
+        root_cert: Some(ca_pem.to_vec()),
     }
 }
 

@@ -57,6 +57,8 @@ pub struct ScyllaOptions {
     pub seq_block: u64,
     /// Server ids leased at a time.
     pub id_block: u64,
+    /// Connect with TLS, trusting the CA in this PEM file.
+    pub tls_ca: Option<std::path::PathBuf>,
 }
 
 impl ScyllaOptions {
@@ -73,6 +75,7 @@ impl ScyllaOptions {
             request_timeout: Duration::from_secs(2),
             seq_block: 100,
             id_block: 10_000,
+            tls_ca: None,
         }
     }
 
@@ -131,7 +134,33 @@ pub async fn connect(options: &ScyllaOptions) -> Result<Session, Error> {
     if let Some(user) = &options.user {
         builder = builder.user(user, options.password.clone().unwrap_or_default());
     }
+    if let Some(ca) = &options.tls_ca {
+        builder = builder.tls_context(Some(tls_config(ca)?));
+    }
     builder.build().await.map_err(|e| db_error("connect", e))
+}
+
+/// A TLS client configuration that trusts the CA certificates in `ca`.
+fn tls_config(ca: &std::path::Path) -> Result<Arc<rustls::ClientConfig>, Error> {
+    use rustls_pki_types::{CertificateDer, pem::PemObject};
+    let bad = |e: &dyn std::fmt::Display| {
+        Error::invalid(format!("ScyllaDB CA file {}: {e}", ca.display()))
+    };
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(ca).map_err(|e| bad(&e))? {
+        roots.add(cert.map_err(|e| bad(&e))?).map_err(|e| bad(&e))?;
+    }
+    if roots.is_empty() {
+        return Err(bad(&"no certificate in the file"));
+    }
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::aws_lc_rs::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|e| bad(&e))?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    Ok(Arc::new(config))
 }
 
 fn check_keyspace_name(name: &str) -> Result<(), Error> {

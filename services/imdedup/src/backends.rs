@@ -1,0 +1,129 @@
+//! The `--redis` and `--scylla` options shared by the services, the demo and
+//! the dev cluster. Unset, the embedded backends are used.
+
+use std::{path::PathBuf, time::Duration};
+
+use anyhow::Context;
+use clap::Args;
+use imdedup_ingest::RedisWindowOptions;
+use imdedup_storage::{
+    ScyllaOptions,
+    scylla::{parse_consistency, parse_serial_consistency},
+};
+
+fn duration(raw: &str) -> Result<Duration, humantime::DurationError> {
+    humantime::parse_duration(raw)
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct RedisArgs {
+    /// Redis for the recent-ID window: `redis://[user:password@]host:port[/db]`,
+    /// `rediss://` for TLS. Several comma-separated URLs (or --redis-cluster)
+    /// mean a Redis Cluster. Unset: the in-process window.
+    #[arg(long = "redis", env = "IMDEDUP_REDIS_URL", value_delimiter = ',')]
+    pub redis_urls: Vec<String>,
+    /// Treat the URL as a seed of a Redis Cluster.
+    #[arg(long, env = "IMDEDUP_REDIS_CLUSTER")]
+    pub redis_cluster: bool,
+    /// Prefix of every window key.
+    #[arg(long, env = "IMDEDUP_REDIS_KEY_PREFIX", default_value = "imd:")]
+    pub redis_key_prefix: String,
+    /// Deadline of each Redis call; past it the window is bypassed.
+    #[arg(long, env = "IMDEDUP_REDIS_TIMEOUT", default_value = "250ms", value_parser = duration)]
+    pub redis_timeout: Duration,
+    /// PEM file of the CA for `rediss://` (default: the public web roots).
+    #[arg(long, env = "IMDEDUP_REDIS_CA")]
+    pub redis_ca: Option<PathBuf>,
+}
+
+impl RedisArgs {
+    /// Window options, or `None` for the in-process window.
+    pub fn options(
+        &self,
+        ttl: Duration,
+        claim_ttl: Duration,
+    ) -> anyhow::Result<Option<RedisWindowOptions>> {
+        if self.redis_urls.is_empty() {
+            return Ok(None);
+        }
+        let mut options = RedisWindowOptions::new(self.redis_urls.clone());
+        options.cluster |= self.redis_cluster;
+        options.key_prefix = self.redis_key_prefix.clone();
+        options.timeout = self.redis_timeout;
+        options.ttl = ttl;
+        options.claim_ttl = claim_ttl;
+        if let Some(ca) = &self.redis_ca {
+            options.ca_pem = Some(
+                std::fs::read(ca)
+                    .with_context(|| format!("cannot read --redis-ca {}", ca.display()))?,
+            );
+        }
+        Ok(Some(options))
+    }
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ScyllaArgs {
+    /// ScyllaDB contact points, `host:port`, comma-separated. Unset: the
+    /// embedded store.
+    #[arg(long = "scylla", env = "IMDEDUP_SCYLLA_NODES", value_delimiter = ',')]
+    pub scylla_nodes: Vec<String>,
+    /// Keyspace (created by the migration if missing).
+    #[arg(long, env = "IMDEDUP_SCYLLA_KEYSPACE", default_value = "imdedup")]
+    pub scylla_keyspace: String,
+    /// Replication factor the migration gives a new keyspace [default: 3
+    /// for the services, 1 for demo and dev].
+    #[arg(long, env = "IMDEDUP_SCYLLA_REPLICATION_FACTOR")]
+    pub scylla_replication_factor: Option<u32>,
+    /// Consistency of reads and writes.
+    #[arg(
+        long,
+        env = "IMDEDUP_SCYLLA_CONSISTENCY",
+        default_value = "local_quorum"
+    )]
+    pub scylla_consistency: String,
+    /// Serial consistency of the lightweight transactions.
+    #[arg(
+        long,
+        env = "IMDEDUP_SCYLLA_SERIAL_CONSISTENCY",
+        default_value = "local_serial"
+    )]
+    pub scylla_serial_consistency: String,
+    #[arg(long, env = "IMDEDUP_SCYLLA_USER")]
+    pub scylla_user: Option<String>,
+    #[arg(long, env = "IMDEDUP_SCYLLA_PASSWORD", hide_env_values = true)]
+    pub scylla_password: Option<String>,
+    /// Connect with TLS, trusting the CA in this PEM file.
+    #[arg(long, env = "IMDEDUP_SCYLLA_CA")]
+    pub scylla_ca: Option<PathBuf>,
+    /// Deadline of each database request.
+    #[arg(long, env = "IMDEDUP_SCYLLA_TIMEOUT", default_value = "2s", value_parser = duration)]
+    pub scylla_timeout: Duration,
+}
+
+impl ScyllaArgs {
+    /// Store options, or `None` for the embedded store.
+    pub fn options(&self) -> anyhow::Result<Option<ScyllaOptions>> {
+        self.options_with_default_rf(3)
+    }
+
+    /// As [`Self::options`], with another default replication factor.
+    pub fn options_with_default_rf(
+        &self,
+        default_rf: u32,
+    ) -> anyhow::Result<Option<ScyllaOptions>> {
+        if self.scylla_nodes.is_empty() {
+            return Ok(None);
+        }
+        let mut options = ScyllaOptions::new(self.scylla_nodes.clone());
+        options.keyspace = self.scylla_keyspace.clone();
+        options.replication_factor = self.scylla_replication_factor.unwrap_or(default_rf);
+        options.consistency = parse_consistency(&self.scylla_consistency)?;
+        options.serial_consistency = parse_serial_consistency(&self.scylla_serial_consistency)?;
+        options.user = self.scylla_user.clone();
+        options.password = self.scylla_password.clone();
+        options.tls_ca = self.scylla_ca.clone();
+        options.request_timeout = self.scylla_timeout;
+        Ok(Some(options))
+    }
+}
