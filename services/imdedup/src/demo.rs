@@ -269,9 +269,15 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     let outbox: Vec<Outbox> = (1..=args.messages)
         .map(|number| {
             let bytes: [u8; 16] = rng.random();
-            let id = uuid::Builder::from_random_bytes(bytes)
-                .into_uuid()
-                .to_string();
+            // A database that outlives the run must not see this run's IDs
+            // again: the seed draws the losses, the IDs are fresh.
+            let id = if real {
+                uuid::Uuid::new_v4().to_string()
+            } else {
+                uuid::Builder::from_random_bytes(bytes)
+                    .into_uuid()
+                    .to_string()
+            };
             let fates = args
                 .schedule
                 .iter()
