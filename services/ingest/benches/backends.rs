@@ -1,0 +1,237 @@
+//! Backend benchmark: prints, in one run against the real Redis and CQL
+//! database of `deploy/local/services.sh`,
+//! 1. the raw rate of `INSERT … IF NOT EXISTS` against the database alone
+//!    (the ceiling);
+//! 2. the ingest pipeline's rate of new messages (Redis claim, LWT insert,
+//!    history row, Redis remember) against the same database, and its ratio
+//!    to the ceiling;
+//! 3. the share of in-window repeats answered without a database operation,
+//!    counted by a store wrapper;
+//! 4. Redis memory per remembered ID (used_memory delta / keys).
+//!
+//! Run: `eval "$(deploy/local/services.sh up)"; cargo bench -p imdedup-ingest --bench backends`
+//! Sizes: BENCH_MESSAGES (default 20000), BENCH_CONCURRENCY (64),
+//! BENCH_MEMORY_KEYS (200000).
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use async_trait::async_trait;
+use futures_util::{StreamExt, stream};
+use imdedup_core::{
+    Error,
+    model::{
+        Body, ClientMsgId, ConversationId, HistoryQuery, MessageKey, NewMessage, Outcome, Receipt,
+        Sender, StoredMessage,
+    },
+    store::{Insert, MessageStore},
+    window::{Claim, RecentWindow},
+};
+use imdedup_ingest::{Dedup, RedisWindow, RedisWindowOptions};
+use imdedup_storage::{ScyllaOptions, ScyllaStore, scylla};
+
+fn env_or(name: &str, default: usize) -> usize {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+fn required(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| {
+        eprintln!("{name} is not set: run `eval \"$(deploy/local/services.sh up)\"` first");
+        std::process::exit(2);
+    })
+}
+
+/// Counts the database operations that reach the store.
+struct CountingStore {
+    inner: Arc<dyn MessageStore>,
+    inserts: AtomicU64,
+}
+
+#[async_trait]
+impl MessageStore for CountingStore {
+    async fn insert_once(&self, message: NewMessage) -> Result<Insert, Error> {
+        self.inserts.fetch_add(1, Ordering::Relaxed);
+        self.inner.insert_once(message).await
+    }
+    async fn lookup(&self, key: &MessageKey) -> Result<Option<StoredMessage>, Error> {
+        self.inner.lookup(key).await
+    }
+    async fn history(&self, query: &HistoryQuery) -> Result<Vec<StoredMessage>, Error> {
+        self.inner.history(query).await
+    }
+}
+
+fn message(run: &str, i: usize, conversations: usize) -> NewMessage {
+    NewMessage {
+        key: MessageKey {
+            sender: Sender::parse(format!("user{:06}", i % 5000)).unwrap(),
+            client_msg_id: ClientMsgId::parse(format!("{run}{i:020}").into_bytes()).unwrap(),
+        },
+        conversation: ConversationId::parse(format!("conv{:05}", i % conversations)).unwrap(),
+        body: Body::parse("a message body of a typical length, about sixty bytes..", 16384).unwrap(),
+    }
+}
+
+#[tokio::main]
+async fn main() {
+    let scylla_node = required("IMDEDUP_TEST_SCYLLA");
+    let redis_url = required("IMDEDUP_TEST_REDIS_URL");
+    let messages = env_or("BENCH_MESSAGES", 20_000);
+    let concurrency = env_or("BENCH_CONCURRENCY", 64);
+    let memory_keys = env_or("BENCH_MEMORY_KEYS", 200_000);
+    let run = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+
+    let mut options = ScyllaOptions::single_node(vec![scylla_node]);
+    options.keyspace = format!("bench{run}");
+    let session = Arc::new(scylla::connect(&options).await.unwrap());
+    scylla::migrate(&session, &options).await.unwrap();
+    println!(
+        "backend benchmark: {messages} messages, {concurrency} in flight, Cassandra/ScyllaDB keyspace {}",
+        options.keyspace
+    );
+
+    // 1. The ceiling: LWT inserts alone, same table, same concurrency.
+    let mut insert = session
+        .prepare(format!(
+            "INSERT INTO {}.messages_by_key (sender, client_msg_id, conversation, body, server_id, seq, stored_at_ms) \
+             VALUES (?, ?, ?, ?, ?, ?, ?) IF NOT EXISTS",
+            options.keyspace
+        ))
+        .await
+        .unwrap();
+    insert.set_consistency(options.consistency);
+    insert.set_serial_consistency(Some(options.serial_consistency));
+    let started = Instant::now();
+    stream::iter(0..messages)
+        .for_each_concurrent(concurrency, |i| {
+            let (session, insert) = (Arc::clone(&session), insert.clone());
+            let m = message(&format!("raw{run}"), i, 1000);
+            async move {
+                session
+                    .execute_unpaged(
+                        &insert,
+                        (
+                            m.key.sender.as_str(),
+                            m.key.client_msg_id.as_bytes(),
+                            m.conversation.as_str(),
+                            m.body.as_str(),
+                            i as i64,
+                            i as i64,
+                            0_i64,
+                        ),
+                    )
+                    .await
+                    .unwrap();
+            }
+        })
+        .await;
+    let ceiling = messages as f64 / started.elapsed().as_secs_f64();
+    println!("1. raw INSERT … IF NOT EXISTS:            {ceiling:>9.0} inserts/s (the ceiling)");
+
+    // 2. The ingest pipeline, new messages only.
+    let store = Arc::new(CountingStore {
+        inner: Arc::new(ScyllaStore::with_session(Arc::clone(&session), options.clone()).await.unwrap()),
+        inserts: AtomicU64::new(0),
+    });
+    let mut redis_options = RedisWindowOptions::new(vec![redis_url.clone()]);
+    redis_options.key_prefix = format!("b{run}:");
+    let window = Arc::new(RedisWindow::connect(redis_options).await.unwrap());
+    let dedup = Arc::new(Dedup::new(window.clone(), store.clone(), Duration::from_secs(5)));
+    let started = Instant::now();
+    stream::iter(0..messages)
+        .for_each_concurrent(concurrency, |i| {
+            let dedup = Arc::clone(&dedup);
+            let m = message(&run, i, 1000);
+            async move {
+                let ack = dedup.send(m).await.unwrap();
+                assert_eq!(ack.outcome, Outcome::Stored);
+            }
+        })
+        .await;
+    let pipeline = messages as f64 / started.elapsed().as_secs_f64();
+    println!(
+        "2. ingest pipeline, new messages:          {pipeline:>9.0} msgs/s = {:.2} of the ceiling (goal >= 0.80)",
+        pipeline / ceiling
+    );
+
+    // 3. Every message again, inside the window.
+    let inserts_before = store.inserts.load(Ordering::Relaxed);
+    let caught = AtomicU64::new(0);
+    stream::iter(0..messages)
+        .for_each_concurrent(concurrency, |i| {
+            let (dedup, caught) = (Arc::clone(&dedup), &caught);
+            let m = message(&run, i, 1000);
+            async move {
+                let ack = dedup.send(m).await.unwrap();
+                if ack.outcome == Outcome::DuplicateWindow {
+                    caught.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        })
+        .await;
+    let db_ops = store.inserts.load(Ordering::Relaxed) - inserts_before;
+    let without_db = messages as u64 - db_ops;
+    println!(
+        "3. in-window repeats without a DB operation: {without_db}/{messages} = {:.1}% ({} window hits, {db_ops} store calls; goal 100%)",
+        100.0 * without_db as f64 / messages as f64,
+        caught.load(Ordering::Relaxed)
+    );
+
+    // 4. Redis memory per remembered ID, on realistic keys.
+    // A database of its own (15), so FLUSHDB and DBSIZE touch only the benchmark.
+    let memory_url = format!("{}/15", redis_url.trim_end_matches('/'));
+    let client = redis::Client::open(memory_url.as_str()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let used = |info: String| -> i64 {
+        info.lines()
+            .find_map(|l| l.strip_prefix("used_memory:"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap()
+    };
+    let mut memory_options = RedisWindowOptions::new(vec![memory_url.clone()]);
+    memory_options.key_prefix = "imd:".to_owned();
+    let memory_window = Arc::new(RedisWindow::connect(memory_options).await.unwrap());
+    let _: () = redis::cmd("FLUSHDB").query_async(&mut conn).await.unwrap();
+    let before = used(redis::cmd("INFO").arg("memory").query_async(&mut conn).await.unwrap());
+    stream::iter(0..memory_keys)
+        .for_each_concurrent(concurrency, |i| {
+            let window = Arc::clone(&memory_window);
+            async move {
+                // A 16-byte random ID from one of 100,000 users, as phones send.
+                let key = MessageKey {
+                    sender: Sender::parse(format!("u{:06}", i % 100_000)).unwrap(),
+                    client_msg_id: ClientMsgId::parse(uuid::Uuid::new_v4().into_bytes().to_vec()).unwrap(),
+                };
+                let Claim::Owned(token) = window.claim(&key).await.unwrap() else {
+                    panic!("fresh key")
+                };
+                window
+                    .remember(&key, &token, Receipt { server_id: i as u64 + 1, seq: i as u64 + 1 })
+                    .await
+                    .unwrap();
+            }
+        })
+        .await;
+    let after = used(redis::cmd("INFO").arg("memory").query_async(&mut conn).await.unwrap());
+    let keys: i64 = redis::cmd("DBSIZE").query_async(&mut conn).await.unwrap();
+    let per_id = (after - before) as f64 / keys as f64;
+    println!(
+        "4. Redis memory per remembered ID:          {per_id:>9.1} bytes ({keys} keys, used_memory +{} bytes; goal <= 100)",
+        after - before
+    );
+    println!(
+        "   at the book's v3 window (4.2 million IDs): {:.0} MB",
+        per_id * 4.2e6 / 1e6
+    );
+    let _: () = redis::cmd("FLUSHDB").query_async(&mut conn).await.unwrap();
+    session
+        .query_unpaged(format!("DROP KEYSPACE {}", options.keyspace), ())
+        .await
+        .unwrap();
+    let _ = window;
+}
