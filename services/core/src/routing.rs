@@ -6,7 +6,7 @@ use crate::model::ConversationId;
 
 /// A stable 64-bit hash: FNV-1a over the bytes, then a SplitMix64 finaliser
 /// for avalanche. Stable across builds and platforms, unlike std's hasher.
-fn stable_hash(parts: &[&[u8]]) -> u64 {
+pub fn stable_hash(parts: &[&[u8]]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for part in parts {
         // The length keeps ("ab", "c") and ("a", "bc") apart.

@@ -26,7 +26,7 @@ pub struct RedisArgs {
     #[arg(long, env = "IMDEDUP_REDIS_CLUSTER")]
     pub redis_cluster: bool,
     /// Prefix of every window key.
-    #[arg(long, env = "IMDEDUP_REDIS_KEY_PREFIX", default_value = "imd:")]
+    #[arg(long, env = "IMDEDUP_REDIS_KEY_PREFIX", default_value = "i:")]
     pub redis_key_prefix: String,
     /// Deadline of each Redis call; past it the window is bypassed.
     #[arg(long, env = "IMDEDUP_REDIS_TIMEOUT", default_value = "250ms", value_parser = duration)]

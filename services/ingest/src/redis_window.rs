@@ -1,25 +1,39 @@
 //! The Redis recent-ID window, for a single Redis or a Redis Cluster.
 //!
-//! - claim: `SET key P<token> NX GET PX <claim-ttl>` in one round trip (Redis
-//!   7.0+). Nil: this copy owns the claim. An ACK value: a repeat, answered
-//!   from Redis. A pending value: another copy is in flight; wait briefly for
-//!   its ACK, else let the store's unique key decide.
-//! - remember: overwrite the claim with the ACK for the window TTL.
-//! - release: delete the claim only if it still holds this copy's token
-//!   (compare-and-delete in Lua).
+//! Layout. Remembered IDs live in hashes, one per (shard, time bucket):
+//! `<prefix>{<shard>}b:<bucket>`, field = the injective (sender, ID) key,
+//! value = the receipt (`A` + server id + seq as varints). Small hashes are
+//! stored by Redis as listpacks, about 40 bytes per ID instead of the ~150 of
+//! a key of its own with a TTL; each bucket hash expires as a whole, a TTL
+//! plus one bucket after its last write, so an ID is remembered for at least
+//! the TTL. Claims in flight are short-lived plain keys,
+//! `<prefix>{<shard>}p:<key>`, with the claim TTL. The `{shard}` hash tag
+//! keeps all keys of one ID in one cluster slot, so every step is one
+//! atomic script on one node.
 //!
-//! Keys are binary: the prefix, then the injective (sender, ID) encoding.
-//! Values: `A` + server id + seq (big-endian u64s), or `P` + the token.
+//! - claim (one round trip): the ID in a live bucket is a repeat, answered
+//!   with its receipt without touching the database; else
+//!   `SET pending P<token> NX GET PX <claim-ttl>` (Redis 7.0+). Nil: this
+//!   copy owns the claim. A pending value: another copy is in flight; wait
+//!   briefly for its receipt, else let the store's unique key decide.
+//! - remember: write the receipt into the current bucket and drop the claim.
+//! - release: delete the claim only if it still holds this copy's token
+//!   (compare-and-delete).
+//!
 //! Every call has a timeout; failures open a circuit breaker, during which
 //! the window reports itself unavailable at once and ingest goes straight
 //! to the store.
 
-use std::{sync::Arc, time::Duration, time::Instant};
+use std::{
+    sync::Arc,
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
 
 use async_trait::async_trait;
 use imdedup_core::{
     Error,
     model::{MessageKey, Receipt},
+    routing::stable_hash,
     window::{Claim, ClaimToken, RecentWindow},
 };
 use redis::{
@@ -31,11 +45,51 @@ use redis::{
 
 use crate::{breaker::Breaker, window::DEFAULT_WINDOW_TTL};
 
+/// KEYS: the live buckets, then the pending key. ARGV: field, pending value,
+/// claim TTL in ms. Returns a receipt, a pending value, or nil (claimed).
+const CLAIM_LUA: &str = r"
+local n = #KEYS
+for i = 1, n - 1 do
+  local v = redis.call('HGET', KEYS[i], ARGV[1])
+  if v then return v end
+end
+return redis.call('SET', KEYS[n], ARGV[2], 'NX', 'GET', 'PX', ARGV[3])
+";
+
+/// As CLAIM_LUA, without claiming: a receipt, a pending value, or nil.
+const PEEK_LUA: &str = r"
+local n = #KEYS
+for i = 1, n - 1 do
+  local v = redis.call('HGET', KEYS[i], ARGV[1])
+  if v then return v end
+end
+return redis.call('GET', KEYS[n])
+";
+
+/// KEYS: the current bucket, the pending key. ARGV: field, receipt, bucket
+/// TTL in ms.
+const REMEMBER_LUA: &str = r"
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('DEL', KEYS[2])
+return 1
+";
+
+/// KEYS: the pending key. ARGV: this copy's pending value.
 const RELEASE_LUA: &str = r"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
 return 0
+";
+
+/// KEYS: the live buckets, then the pending key. ARGV: field.
+const FORGET_LUA: &str = r"
+local n = #KEYS
+for i = 1, n - 1 do
+  redis.call('HDEL', KEYS[i], ARGV[1])
+end
+return redis.call('DEL', KEYS[n])
 ";
 
 /// Settings of the Redis window.
@@ -58,6 +112,12 @@ pub struct RedisWindowOptions {
     /// PEM of the CA that signs the server certificate, for `rediss://`
     /// URLs; without it the webpki roots are trusted.
     pub ca_pem: Option<Vec<u8>>,
+    /// Hashes per time bucket. Size it so a bucket hash holds up to ~100
+    /// IDs at peak (IDs per second x bucket span / 100): Redis keeps hashes of
+    /// up to 128 entries (`hash-max-listpack-entries`) in the compact form.
+    pub shards: u32,
+    /// Time span of one bucket.
+    pub bucket_span: Duration,
 }
 
 impl RedisWindowOptions {
@@ -65,7 +125,7 @@ impl RedisWindowOptions {
         Self {
             cluster: urls.len() > 1,
             urls,
-            key_prefix: "imd:".to_owned(),
+            key_prefix: "i:".to_owned(),
             ttl: DEFAULT_WINDOW_TTL,
             claim_ttl: Duration::from_secs(3),
             timeout: Duration::from_millis(250),
@@ -73,6 +133,8 @@ impl RedisWindowOptions {
             breaker_threshold: 3,
             breaker_cooldown: Duration::from_secs(1),
             ca_pem: None,
+            shards: 8192,
+            bucket_span: Duration::from_secs(60),
         }
     }
 }
@@ -116,8 +178,26 @@ impl ConnectionLike for Connection {
 pub struct RedisWindow {
     connection: Connection,
     options: RedisWindowOptions,
-    release: redis::Script,
+    scripts: Scripts,
     breaker: Arc<Breaker>,
+}
+
+struct Scripts {
+    claim: redis::Script,
+    peek: redis::Script,
+    remember: redis::Script,
+    release: redis::Script,
+    forget: redis::Script,
+}
+
+/// The Redis keys of one ID.
+struct Keys {
+    field: Vec<u8>,
+    /// Live buckets, newest first (one ahead, for clock skew between
+    /// ingest instances).
+    buckets: Vec<Vec<u8>>,
+    current: Vec<u8>,
+    pending: Vec<u8>,
 }
 
 fn redis_error(what: &str, e: &redis::RedisError) -> Error {
@@ -171,7 +251,13 @@ impl RedisWindow {
         };
         Ok(Self {
             connection,
-            release: redis::Script::new(RELEASE_LUA),
+            scripts: Scripts {
+                claim: redis::Script::new(CLAIM_LUA),
+                peek: redis::Script::new(PEEK_LUA),
+                remember: redis::Script::new(REMEMBER_LUA),
+                release: redis::Script::new(RELEASE_LUA),
+                forget: redis::Script::new(FORGET_LUA),
+            },
             breaker: Arc::new(Breaker::new(
                 options.breaker_threshold,
                 options.breaker_cooldown,
@@ -183,15 +269,16 @@ impl RedisWindow {
     /// Forget `key` now, as if its TTL had passed (an operator's tool, and
     /// the demo's way to jump an hour ahead).
     pub async fn forget(&self, key: &MessageKey) -> Result<(), Error> {
+        let keys = self.keys(key);
+        let mut invocation = self.scripts.forget.prepare_invoke();
+        for bucket in &keys.buckets {
+            invocation.key(bucket);
+        }
+        invocation.key(&keys.pending).arg(&keys.field);
         let mut connection = self.connection.clone();
-        self.call(
-            "forget",
-            redis::cmd("DEL")
-                .arg(self.key(key))
-                .query_async::<i64>(&mut connection),
-        )
-        .await
-        .map(|_| ())
+        self.call("forget", invocation.invoke_async::<i64>(&mut connection))
+            .await
+            .map(|_| ())
     }
 
     /// Whether the breaker is open (Redis is being bypassed).
@@ -199,10 +286,36 @@ impl RedisWindow {
         self.breaker.is_open()
     }
 
-    fn key(&self, key: &MessageKey) -> Vec<u8> {
-        let mut out = self.options.key_prefix.as_bytes().to_vec();
-        out.extend_from_slice(&key.to_bytes());
-        out
+    fn span_ms(&self) -> u64 {
+        millis(self.options.bucket_span.min(self.options.ttl))
+    }
+
+    fn keys(&self, key: &MessageKey) -> Keys {
+        let field = key.to_bytes();
+        let shard = stable_hash(&[&field]) % u64::from(self.options.shards.max(1));
+        let base = format!("{}{{{shard}}}", self.options.key_prefix);
+        let span = self.span_ms();
+        let now = u64::try_from(
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_millis(),
+        )
+        .unwrap_or(u64::MAX);
+        let current = now / span;
+        let back = millis(self.options.ttl).div_ceil(span);
+        let bucket = |b: u64| format!("{base}b:{b}").into_bytes();
+        let mut pending = format!("{base}p:").into_bytes();
+        pending.extend_from_slice(&field);
+        Keys {
+            buckets: (current.saturating_sub(back)..=current + 1)
+                .rev()
+                .map(bucket)
+                .collect(),
+            current: bucket(current),
+            pending,
+            field,
+        }
     }
 
     /// Run one Redis call under the deadline and the breaker.
@@ -232,13 +345,15 @@ impl RedisWindow {
         }
     }
 
-    async fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, Error> {
+    async fn peek(&self, keys: &Keys) -> Result<Option<Vec<u8>>, Error> {
+        let mut invocation = self.scripts.peek.prepare_invoke();
+        for bucket in &keys.buckets {
+            invocation.key(bucket);
+        }
+        invocation.key(&keys.pending).arg(&keys.field);
         let mut connection = self.connection.clone();
-        self.call(
-            "get",
-            redis::cmd("GET").arg(key).query_async(&mut connection),
-        )
-        .await
+        self.call("peek", invocation.invoke_async(&mut connection))
+            .await
     }
 }
 
@@ -249,25 +364,52 @@ fn tls_roots(ca_pem: &[u8]) -> redis::TlsCertificates {
     }
 }
 
+/// `A`, then the server id and the seq as LEB128 varints: 6 to 10 bytes for
+/// real values, small enough for Redis's smallest string allocations.
 fn encode_receipt(receipt: Receipt) -> Vec<u8> {
-    let mut out = Vec::with_capacity(17);
+    let mut out = Vec::with_capacity(21);
     out.push(b'A');
-    out.extend_from_slice(&receipt.server_id.to_be_bytes());
-    out.extend_from_slice(&receipt.seq.to_be_bytes());
+    for mut v in [receipt.server_id, receipt.seq] {
+        loop {
+            let byte = (v & 0x7f) as u8;
+            v >>= 7;
+            if v == 0 {
+                out.push(byte);
+                break;
+            }
+            out.push(byte | 0x80);
+        }
+    }
     out
 }
 
 fn decode_receipt(value: &[u8]) -> Option<Receipt> {
-    match value {
-        [b'A', rest @ ..] if rest.len() == 16 => {
-            let (server_id, seq) = rest.split_at(8);
-            Some(Receipt {
-                server_id: u64::from_be_bytes(server_id.try_into().ok()?),
-                seq: u64::from_be_bytes(seq.try_into().ok()?),
-            })
+    let [b'A', rest @ ..] = value else {
+        return None;
+    };
+    let mut numbers = [0u64; 2];
+    let mut bytes = rest.iter();
+    for number in &mut numbers {
+        let mut shift = 0;
+        loop {
+            let byte = *bytes.next()?;
+            if shift > 63 {
+                return None;
+            }
+            *number |= u64::from(byte & 0x7f) << shift;
+            if byte & 0x80 == 0 {
+                break;
+            }
+            shift += 7;
         }
-        _ => None,
     }
+    if bytes.next().is_some() {
+        return None;
+    }
+    Some(Receipt {
+        server_id: numbers[0],
+        seq: numbers[1],
+    })
 }
 
 fn pending_value(token: &ClaimToken) -> Vec<u8> {
@@ -283,21 +425,20 @@ fn millis(d: Duration) -> u64 {
 #[async_trait]
 impl RecentWindow for RedisWindow {
     async fn claim(&self, key: &MessageKey) -> Result<Claim, Error> {
-        let redis_key = self.key(key);
+        let keys = self.keys(key);
         let token = ClaimToken(uuid::Uuid::new_v4().simple().to_string());
+        let mut invocation = self.scripts.claim.prepare_invoke();
+        for bucket in &keys.buckets {
+            invocation.key(bucket);
+        }
+        invocation
+            .key(&keys.pending)
+            .arg(&keys.field)
+            .arg(pending_value(&token))
+            .arg(millis(self.options.claim_ttl));
         let mut connection = self.connection.clone();
         let previous: Option<Vec<u8>> = self
-            .call(
-                "claim",
-                redis::cmd("SET")
-                    .arg(&redis_key)
-                    .arg(pending_value(&token))
-                    .arg("NX")
-                    .arg("GET")
-                    .arg("PX")
-                    .arg(millis(self.options.claim_ttl))
-                    .query_async(&mut connection),
-            )
+            .call("claim", invocation.invoke_async(&mut connection))
             .await?;
         let Some(previous) = previous else {
             return Ok(Claim::Owned(token));
@@ -310,7 +451,7 @@ impl RecentWindow for RedisWindow {
         let step = (self.options.pending_wait / 5).max(Duration::from_millis(2));
         while Instant::now() < deadline {
             tokio::time::sleep(step).await;
-            match self.get(&redis_key).await? {
+            match self.peek(&keys).await? {
                 Some(value) => {
                     if let Some(receipt) = decode_receipt(&value) {
                         return Ok(Claim::Seen(receipt));
@@ -329,23 +470,26 @@ impl RecentWindow for RedisWindow {
         _token: &ClaimToken,
         receipt: Receipt,
     ) -> Result<(), Error> {
+        let keys = self.keys(key);
+        let bucket_ttl = millis(self.options.ttl) + self.span_ms();
+        let mut invocation = self.scripts.remember.prepare_invoke();
+        invocation
+            .key(&keys.current)
+            .key(&keys.pending)
+            .arg(&keys.field)
+            .arg(encode_receipt(receipt))
+            .arg(bucket_ttl);
         let mut connection = self.connection.clone();
-        self.call(
-            "remember",
-            redis::cmd("SET")
-                .arg(self.key(key))
-                .arg(encode_receipt(receipt))
-                .arg("PX")
-                .arg(millis(self.options.ttl))
-                .query_async::<()>(&mut connection),
-        )
-        .await
+        self.call("remember", invocation.invoke_async::<i64>(&mut connection))
+            .await
+            .map(|_| ())
     }
 
     async fn release(&self, key: &MessageKey, token: &ClaimToken) -> Result<(), Error> {
+        let keys = self.keys(key);
+        let mut invocation = self.scripts.release.prepare_invoke();
+        invocation.key(&keys.pending).arg(pending_value(token));
         let mut connection = self.connection.clone();
-        let mut invocation = self.release.key(self.key(key));
-        invocation.arg(pending_value(token));
         self.call("release", invocation.invoke_async::<i64>(&mut connection))
             .await
             .map(|_| ())
@@ -366,5 +510,11 @@ mod tests {
         let token = ClaimToken("0123456789abcdef0123456789abcdef".into());
         assert_eq!(decode_receipt(&pending_value(&token)), None);
         assert_eq!(decode_receipt(b"A123"), None);
+        for (server_id, seq) in [(0, 0), (1, 1), (u64::MAX, u64::MAX), (300, 1 << 40)] {
+            let receipt = Receipt { server_id, seq };
+            assert_eq!(decode_receipt(&encode_receipt(receipt)), Some(receipt));
+        }
+        assert_eq!(decode_receipt(&[b'A', 0x80]), None, "truncated varint");
+        assert_eq!(decode_receipt(&[b'A', 1, 1, 1]), None, "trailing bytes");
     }
 }

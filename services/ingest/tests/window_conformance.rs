@@ -101,30 +101,67 @@ async fn redis_window_conforms_and_sets_the_ttls() {
     let window = Arc::new(RedisWindow::connect(options.clone()).await.unwrap());
     conforms(window.clone()).await;
 
-    // The claim lives for the claim TTL, the receipt for the window TTL.
+    // The claim lives for the claim TTL; the receipt lands in a compact
+    // bucket hash that lives for the window TTL plus one bucket.
     let client = redis::Client::open(url).unwrap();
     let mut conn = client.get_multiplexed_async_connection().await.unwrap();
     let m = key("ana", "ttl");
-    let raw_key = [options.key_prefix.as_bytes(), &m.to_bytes()].concat();
+    let pattern = format!("{}*", options.key_prefix);
     let Claim::Owned(token) = window.claim(&m).await.unwrap() else {
         panic!()
     };
-    let claim_ttl: i64 = redis::cmd("PTTL")
-        .arg(&raw_key)
+    let before: Vec<Vec<u8>> = redis::cmd("KEYS")
+        .arg(&pattern)
         .query_async(&mut conn)
         .await
         .unwrap();
-    assert!(claim_ttl > 0 && claim_ttl <= 3_000, "claim ttl {claim_ttl}");
     window.remember(&m, &token, RECEIPT).await.unwrap();
-    let window_ttl: i64 = redis::cmd("PTTL")
-        .arg(&raw_key)
+    let after: Vec<Vec<u8>> = redis::cmd("KEYS")
+        .arg(&pattern)
         .query_async(&mut conn)
         .await
         .unwrap();
+    let claim_key = before
+        .iter()
+        .find(|k| !after.contains(k))
+        .expect("remember drops the claim");
     assert!(
-        window_ttl > 290_000 && window_ttl <= 300_000,
-        "window ttl {window_ttl}"
+        claim_key.windows(3).any(|w| w == b"}p:"),
+        "the claim is a pending key"
     );
+    let bucket = after
+        .iter()
+        .find(|k| k.windows(3).any(|w| w == b"}b:") && !before.contains(k))
+        .expect("remember writes a bucket hash");
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(bucket)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(ttl > 300_000 && ttl <= 360_000, "bucket ttl {ttl}");
+    let encoding: String = redis::cmd("OBJECT")
+        .arg("ENCODING")
+        .arg(bucket)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(encoding, "listpack");
+    let Claim::Owned(_) = window.claim(&key("ana", "ttl-claim")).await.unwrap() else {
+        panic!()
+    };
+    let keys: Vec<Vec<u8>> = redis::cmd("KEYS")
+        .arg(&pattern)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    for k in keys.iter().filter(|k| k.windows(3).any(|w| w == b"}p:")) {
+        let ttl: i64 = redis::cmd("PTTL")
+            .arg(k)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert!(ttl > 0 && ttl <= 3_000, "claim ttl {ttl}");
+    }
 }
 
 #[tokio::test]

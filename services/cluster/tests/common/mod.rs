@@ -112,8 +112,11 @@ impl Harness {
                         .await
                         .unwrap();
                     assert!(
-                        ttl_ms > 0 && ttl_ms <= i64::try_from(redis.ttl.as_millis()).unwrap(),
-                        "every window key expires within the window TTL, got {ttl_ms} ms"
+                        ttl_ms > 0
+                            && ttl_ms
+                                <= i64::try_from((redis.ttl + redis.bucket_span).as_millis())
+                                    .unwrap(),
+                        "every window key expires within the window TTL and a bucket, got {ttl_ms} ms"
                     );
                     let _: i64 = redis::cmd("DEL")
                         .arg(&key)
