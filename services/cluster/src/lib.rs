@@ -27,6 +27,7 @@ pub const DEV_TOKEN_SECRET: &str = "imdedup-local-dev-secret-not-for-production"
 
 /// Which backends the cluster runs on.
 #[derive(Clone)]
+#[allow(clippy::large_enum_variant, reason = "built once per cluster")]
 pub enum Backends {
     /// The in-process window and SQLite behind the storage service.
     Embedded,

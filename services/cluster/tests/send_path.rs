@@ -219,10 +219,9 @@ async fn many_sends_in_flight_on_one_connection_get_unique_increasing_seqs(kind:
         let ana = Arc::clone(&ana);
         tasks.push(tokio::spawn(async move {
             let id = format!("m{i}");
-            ana.send(id.as_bytes(), "busy", &format!("message {i}"))
-                .await
-                .unwrap()
-                .unwrap()
+            // One hot conversation is written one message at a time; under
+            // a burst some sends hit the deadline and, like a phone, resend.
+            common::send_until_acked(&ana, id.as_bytes(), "busy", &format!("message {i}")).await
         }));
     }
     let mut acks = Vec::new();
@@ -231,7 +230,14 @@ async fn many_sends_in_flight_on_one_connection_get_unique_increasing_seqs(kind:
     }
     let mut seqs: Vec<u64> = acks.iter().map(|a| a.seq).collect();
     seqs.sort_unstable();
-    assert_eq!(seqs, (1..=200).collect::<Vec<_>>());
+    if kind == Kind::Embedded {
+        assert_eq!(seqs, (1..=200).collect::<Vec<_>>());
+    } else {
+        // A send that timed out in the middle of its LWT may leave a gap.
+        seqs.dedup();
+        assert_eq!(seqs.len(), 200, "unique seqs");
+    }
+    assert_eq!(rows(&ana, "busy").await.len(), 200, "one row per message");
     // Storage order is seq order: a later server id never has a smaller seq.
     let stored = rows(&ana, "busy").await;
     assert!(stored.windows(2).all(|w| w[0].server_id < w[1].server_id));

@@ -357,7 +357,16 @@ struct Block {
 }
 
 /// The ScyllaDB [`MessageStore`].
+///
+/// Each insert runs in a task of its own, so a caller that gives up (a
+/// deadline) never cuts an insert in half: the seq bookkeeping, the LWT and
+/// the history row always finish together, in order, under the
+/// conversation's lock.
 pub struct ScyllaStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
     session: Arc<Session>,
     statements: Statements,
     options: ScyllaOptions,
@@ -450,17 +459,21 @@ impl ScyllaStore {
             .await?,
         };
         Ok(Self {
-            session,
-            statements,
-            conversations: moka::sync::Cache::builder()
-                .max_capacity(1_000_000)
-                .time_to_idle(Duration::from_secs(600))
-                .build(),
-            server_ids: Mutex::new(Block::default()),
-            options,
+            inner: Arc::new(Inner {
+                session,
+                statements,
+                conversations: moka::sync::Cache::builder()
+                    .max_capacity(1_000_000)
+                    .time_to_idle(Duration::from_secs(600))
+                    .build(),
+                server_ids: Mutex::new(Block::default()),
+                options,
+            }),
         })
     }
+}
 
+impl Inner {
     /// Lease the next `size` numbers of (scope, name): an LWT on the lease
     /// row, retried when another process leased first.
     async fn lease(&self, scope: &str, name: &str, size: u64) -> Result<Block, Error> {
@@ -543,9 +556,8 @@ fn unix_millis() -> i64 {
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
-#[async_trait]
-impl MessageStore for ScyllaStore {
-    async fn insert_once(&self, message: NewMessage) -> Result<Insert, Error> {
+impl Inner {
+    async fn insert(&self, message: NewMessage) -> Result<Insert, Error> {
         let conversation = message.conversation.as_str().to_owned();
         let slot = self.conversations.get_with(conversation.clone(), || {
             Arc::new(Mutex::new(Block::default()))
@@ -557,7 +569,10 @@ impl MessageStore for ScyllaStore {
                 .lease("seq", &conversation, self.options.seq_block)
                 .await?;
         }
+        // Reserved now: whatever happens next, this seq is never handed
+        // out twice; only a definite "not applied" gives it back.
         let seq = seqs.next;
+        seqs.next += 1;
         let row = StoredMessage {
             receipt: Receipt {
                 server_id: self.next_server_id().await?,
@@ -588,17 +603,16 @@ impl MessageStore for ScyllaStore {
             Err(e) => {
                 // The outcome is unknown: the seq stays spent (a possible gap),
                 // and the resend decides.
-                seqs.next += 1;
                 return Err(db_error("insert", e));
             }
         };
         if applied {
-            seqs.next += 1;
             // Still under the lock: a reader never sees seq n+1 before n.
             self.write_history(&row).await?;
             Ok(Insert::Stored(row))
         } else {
             // A repeat: the seq was not used, keep it for the next message.
+            seqs.next -= 1;
             drop(seqs);
             let original = to_message(&existing)?;
             // Repairs a history row lost to a crash after the LWT.
@@ -606,12 +620,23 @@ impl MessageStore for ScyllaStore {
             Ok(Insert::AlreadyStored(original))
         }
     }
+}
+
+#[async_trait]
+impl MessageStore for ScyllaStore {
+    async fn insert_once(&self, message: NewMessage) -> Result<Insert, Error> {
+        let inner = Arc::clone(&self.inner);
+        tokio::spawn(async move { inner.insert(message).await })
+            .await
+            .map_err(|e| Error::internal(format!("insert task failed: {e}")))?
+    }
 
     async fn lookup(&self, key: &MessageKey) -> Result<Option<StoredMessage>, Error> {
         let result = self
+            .inner
             .session
             .execute_unpaged(
-                &self.statements.select_key,
+                &self.inner.statements.select_key,
                 (key.sender.as_str(), key.client_msg_id.as_bytes()),
             )
             .await
@@ -622,9 +647,10 @@ impl MessageStore for ScyllaStore {
     async fn history(&self, query: &HistoryQuery) -> Result<Vec<StoredMessage>, Error> {
         let limit = i32::try_from(query.limit).unwrap_or(i32::MAX);
         let result = self
+            .inner
             .session
             .execute_unpaged(
-                &self.statements.history,
+                &self.inner.statements.history,
                 (query.conversation.as_str(), to_i64(query.after_seq), limit),
             )
             .await

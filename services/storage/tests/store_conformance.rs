@@ -118,7 +118,46 @@ async fn keys_are_sender_and_id(store: Arc<dyn MessageStore>, tag: &str) {
     assert_eq!(store.history(&history(&conv, 0)).await.unwrap().len(), 5);
 }
 
+/// Callers that give up mid-insert (deadlines) never make two messages
+/// share a seq, and every message is readable once its resend is ACKed.
+async fn abandoned_inserts_never_share_a_seq(store: Arc<dyn MessageStore>, tag: &str) {
+    let conv = format!("{tag}-abandoned");
+    let mut tasks = Vec::new();
+    for i in 0..40u64 {
+        let store = Arc::clone(&store);
+        let conv = conv.clone();
+        tasks.push(tokio::spawn(async move {
+            let id = format!("{conv}-{i}");
+            // Give up after 0 to 7 ms: some inserts are cut off midway.
+            let _ = tokio::time::timeout(
+                std::time::Duration::from_millis(i % 8),
+                store.insert_once(message("ana", &id, &conv, &id)),
+            )
+            .await;
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    // Every phone resends until ACKed.
+    for i in 0..40u64 {
+        let id = format!("{conv}-{i}");
+        store
+            .insert_once(message("ana", &id, &conv, &id))
+            .await
+            .unwrap();
+    }
+    let rows = store.history(&history(&conv, 0)).await.unwrap();
+    assert_eq!(rows.len(), 40, "every message readable, none twice");
+    let mut bodies: Vec<&str> = rows.iter().map(|r| r.body.as_str()).collect();
+    bodies.sort_unstable();
+    bodies.dedup();
+    assert_eq!(bodies.len(), 40);
+    assert!(rows.windows(2).all(|w| w[0].receipt.seq < w[1].receipt.seq));
+}
+
 async fn conforms(store: Arc<dyn MessageStore>, tag: &str) {
+    abandoned_inserts_never_share_a_seq(Arc::clone(&store), tag).await;
     inserts_once_and_echoes_the_original(Arc::clone(&store), tag).await;
     repeats_never_spend_a_seq(Arc::clone(&store), tag).await;
     concurrent_copies_store_one_row(Arc::clone(&store), tag).await;

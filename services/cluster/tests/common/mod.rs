@@ -161,6 +161,23 @@ impl Harness {
     }
 }
 
+/// Send as a phone does: resend the same ID on a retryable error.
+pub async fn send_until_acked(
+    client: &Client,
+    id: &[u8],
+    conversation: &str,
+    body: &str,
+) -> imdedup_client::AckReply {
+    for _ in 0..20 {
+        match client.send(id, conversation, body).await.unwrap() {
+            Ok(ack) => return ack,
+            Err(e) if e.retryable => continue,
+            Err(e) => panic!("final error {e:?}"),
+        }
+    }
+    panic!("no ACK after 20 tries")
+}
+
 pub async fn rows(client: &Client, conversation: &str) -> Vec<imdedup_client::HistoryMessage> {
     client.full_history(conversation).await.unwrap().unwrap()
 }
