@@ -3,6 +3,7 @@
 
 use std::{path::PathBuf, time::Duration};
 
+use crate::services::duration;
 use anyhow::Context;
 use clap::Args;
 use imdedup_ingest::RedisWindowOptions;
@@ -10,10 +11,6 @@ use imdedup_storage::{
     ScyllaOptions,
     scylla::{parse_consistency, parse_serial_consistency},
 };
-
-fn duration(raw: &str) -> Result<Duration, humantime::DurationError> {
-    humantime::parse_duration(raw)
-}
 
 #[derive(Debug, Clone, Args)]
 pub struct RedisArgs {

@@ -21,7 +21,8 @@ use tokio::net::TcpListener;
 
 use crate::shutdown::serve_until_signal;
 
-fn duration(raw: &str) -> Result<Duration, humantime::DurationError> {
+/// Parse a flag's duration: `750ms`, `5s`, `5m`, `1h`.
+pub fn duration(raw: &str) -> Result<Duration, humantime::DurationError> {
     humantime::parse_duration(raw)
 }
 
