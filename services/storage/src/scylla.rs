@@ -344,7 +344,6 @@ struct Statements {
     insert_history: PreparedStatement,
     select_key: PreparedStatement,
     history: PreparedStatement,
-    lease_read: PreparedStatement,
     lease_init: PreparedStatement,
     lease_cas: PreparedStatement,
 }
@@ -410,16 +409,6 @@ impl ScyllaStore {
         };
         const COLUMNS: &str =
             "sender, client_msg_id, conversation, body, server_id, seq, stored_at_ms";
-        let mut lease_read = prepare(
-            format!("SELECT next_free FROM {ks}.leases WHERE scope = ? AND name = ?"),
-            false,
-        )
-        .await?;
-        // Read what earlier LWTs wrote, even if not yet on a quorum.
-        lease_read.set_consistency(match options.serial_consistency {
-            SerialConsistency::Serial => Consistency::Serial,
-            SerialConsistency::LocalSerial => Consistency::LocalSerial,
-        });
         let statements = Statements {
             insert_key: prepare(
                 format!(
@@ -446,7 +435,6 @@ impl ScyllaStore {
                 false,
             )
             .await?,
-            lease_read,
             lease_init: prepare(
                 format!("INSERT INTO {ks}.leases (scope, name, next_free) VALUES (?, ?, ?) IF NOT EXISTS"),
                 true,
@@ -476,37 +464,36 @@ impl ScyllaStore {
 impl Inner {
     /// Lease the next `size` numbers of (scope, name): an LWT on the lease
     /// row, retried when another process leased first.
-    async fn lease(&self, scope: &str, name: &str, size: u64) -> Result<Block, Error> {
+    async fn lease(
+        &self,
+        scope: &str,
+        name: &str,
+        size: u64,
+        hint: Option<u64>,
+    ) -> Result<Block, Error> {
+        // No read first: an LWT that is not applied returns the current
+        // value, which the next try starts from. `hint` is where our last
+        // block ended, usually where the next one starts.
+        let mut known = hint.filter(|h| *h > 0);
         for _ in 0..64 {
-            let current = rows(
-                self.session
-                    .execute_unpaged(&self.statements.lease_read, (scope, name))
-                    .await
-                    .map_err(|e| db_error("lease read", e))?,
-            )?;
-            let (applied, start) = match current.first() {
-                None => {
-                    let end = 1 + size;
-                    let reply = self
-                        .session
-                        .execute_unpaged(&self.statements.lease_init, (scope, name, to_i64(end)))
-                        .await
-                        .map_err(|e| db_error("lease", e))?;
-                    (lwt(reply)?.0, 1)
-                }
-                Some(row) => {
-                    let start = u64::try_from(bigint(row, "next_free")?).unwrap_or_default();
-                    let reply = self
-                        .session
+            let (start, reply) = match known {
+                None => (
+                    1,
+                    self.session
+                        .execute_unpaged(&self.statements.lease_init, (scope, name, to_i64(1 + size)))
+                        .await,
+                ),
+                Some(start) => (
+                    start,
+                    self.session
                         .execute_unpaged(
                             &self.statements.lease_cas,
                             (to_i64(start + size), scope, name, to_i64(start)),
                         )
-                        .await
-                        .map_err(|e| db_error("lease", e))?;
-                    (lwt(reply)?.0, start)
-                }
+                        .await,
+                ),
             };
+            let (applied, current) = lwt(reply.map_err(|e| db_error("lease", e))?)?;
             if applied {
                 tracing::debug!(scope, name, start, size, "leased a block");
                 return Ok(Block {
@@ -514,6 +501,11 @@ impl Inner {
                     end: start + size,
                 });
             }
+            known = match current.get("next_free") {
+                Some(Some(CqlValue::BigInt(v))) => Some(u64::try_from(*v).unwrap_or_default()),
+                // The row does not exist yet (an UPDATE … IF on no row).
+                _ => None,
+            };
         }
         Err(Error::unavailable(format!(
             "could not lease {scope} numbers: too much contention"
@@ -523,7 +515,10 @@ impl Inner {
     async fn next_server_id(&self) -> Result<u64, Error> {
         let mut block = self.server_ids.lock().await;
         if block.next >= block.end {
-            *block = self.lease("server_id", "", self.options.id_block).await?;
+            let hint = Some(block.end);
+            *block = self
+                .lease("server_id", "", self.options.id_block, hint)
+                .await?;
         }
         let id = block.next;
         block.next += 1;
@@ -566,7 +561,7 @@ impl Inner {
         let mut seqs = slot.lock().await;
         if seqs.next >= seqs.end {
             *seqs = self
-                .lease("seq", &conversation, self.options.seq_block)
+                .lease("seq", &conversation, self.options.seq_block, Some(seqs.end))
                 .await?;
         }
         // Reserved now: whatever happens next, this seq is never handed
