@@ -480,7 +480,10 @@ impl Inner {
                 None => (
                     1,
                     self.session
-                        .execute_unpaged(&self.statements.lease_init, (scope, name, to_i64(1 + size)))
+                        .execute_unpaged(
+                            &self.statements.lease_init,
+                            (scope, name, to_i64(1 + size)),
+                        )
                         .await,
                 ),
                 Some(start) => (

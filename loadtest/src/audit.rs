@@ -1,0 +1,186 @@
+//! The audit: what receivers see, checked against what phones sent.
+
+use std::collections::{HashMap, HashSet};
+
+use imdedup_client::HistoryMessage;
+use serde::Serialize;
+
+use crate::phone::Trace;
+
+/// One message as the driver sent it.
+#[derive(Debug, Clone)]
+pub struct Sent {
+    pub sender: String,
+    pub id: Vec<u8>,
+    pub conversation: String,
+    pub trace: Trace,
+}
+
+/// Every check as a count. `passed` is false when any must-be-zero count is
+/// not zero.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Audit {
+    pub messages: u64,
+    pub stored_rows: u64,
+    /// The server ACKed it (the ACK may have been lost), but no row: must be 0.
+    pub lost: u64,
+    /// One sender and ID stored more than once: must be 0.
+    pub repeats: u64,
+    /// An ACK whose server id or seq differs from the first ACK or the row:
+    /// must be 0.
+    pub ack_mismatches: u64,
+    /// Seqs in a conversation not unique or not increasing: must be 0.
+    pub seq_order_violations: u64,
+    /// Missing seqs between stored ones (harmless; counted).
+    pub seq_gaps: u64,
+    /// Never ACKed to the phone within its give-up time; the phone shows
+    /// them as failed, and a later resend would store or find them.
+    pub failed: u64,
+    /// Failed on the phone but stored (the last ACK was lost).
+    pub failed_but_stored: u64,
+}
+
+impl Audit {
+    pub fn passed(&self) -> bool {
+        self.lost == 0
+            && self.repeats == 0
+            && self.ack_mismatches == 0
+            && self.seq_order_violations == 0
+    }
+}
+
+/// Check `sent` against the stored `histories` (conversation → rows in seq
+/// order, as pulled).
+pub fn audit(sent: &[Sent], histories: &HashMap<String, Vec<HistoryMessage>>) -> Audit {
+    let mut audit = Audit {
+        messages: sent.len() as u64,
+        ..Audit::default()
+    };
+    let mut rows: HashMap<(&str, &[u8]), Vec<&HistoryMessage>> = HashMap::new();
+    for history in histories.values() {
+        audit.stored_rows += history.len() as u64;
+        let mut seen = HashSet::new();
+        for pair in history.windows(2) {
+            if pair[1].seq <= pair[0].seq {
+                audit.seq_order_violations += 1;
+            } else {
+                audit.seq_gaps += pair[1].seq - pair[0].seq - 1;
+            }
+        }
+        for row in history {
+            if !seen.insert(row.seq) {
+                audit.seq_order_violations += 1;
+            }
+            rows.entry((row.sender.as_str(), row.id.as_slice()))
+                .or_default()
+                .push(row);
+        }
+    }
+    audit.repeats = rows.values().map(|r| r.len() as u64 - 1).sum();
+
+    for message in sent {
+        let stored = rows.get(&(message.sender.as_str(), message.id.as_slice()));
+        let acked = !message.trace.server_acks.is_empty();
+        if acked && stored.is_none() {
+            audit.lost += 1;
+        }
+        if message.trace.received.is_none() {
+            audit.failed += 1;
+            if stored.is_some() {
+                audit.failed_but_stored += 1;
+            }
+        }
+        let reference = stored
+            .and_then(|r| r.first())
+            .map(|row| (row.server_id, row.seq))
+            .or_else(|| {
+                message
+                    .trace
+                    .server_acks
+                    .first()
+                    .map(|a| (a.server_id, a.seq))
+            });
+        audit.ack_mismatches += message
+            .trace
+            .server_acks
+            .iter()
+            .filter(|a| Some((a.server_id, a.seq)) != reference)
+            .count() as u64;
+    }
+    audit
+}
+
+#[cfg(test)]
+mod tests {
+    use imdedup_client::AckReply;
+
+    use super::*;
+
+    fn row(sender: &str, id: &str, seq: u64) -> HistoryMessage {
+        HistoryMessage {
+            sender: sender.into(),
+            id: id.as_bytes().to_vec(),
+            server_id: seq + 100,
+            seq,
+            body: String::new(),
+        }
+    }
+
+    fn sent(id: &str, acks: &[(u64, u64)], received: bool) -> Sent {
+        let acks: Vec<AckReply> = acks
+            .iter()
+            .map(|(server_id, seq)| AckReply {
+                id: id.as_bytes().to_vec(),
+                server_id: *server_id,
+                seq: *seq,
+                duplicate: false,
+                outcome: "stored".into(),
+            })
+            .collect();
+        Sent {
+            sender: "ana".into(),
+            id: id.as_bytes().to_vec(),
+            conversation: "c".into(),
+            trace: Trace {
+                received: received.then(|| acks[0].clone()),
+                server_acks: acks,
+                ..Trace::default()
+            },
+        }
+    }
+
+    #[test]
+    fn a_clean_run_passes_and_counts_gaps() {
+        let histories =
+            HashMap::from([("c".to_owned(), vec![row("ana", "a", 1), row("ana", "b", 3)])]);
+        let result = audit(
+            &[sent("a", &[(101, 1)], true), sent("b", &[(103, 3)], true)],
+            &histories,
+        );
+        assert!(result.passed(), "{result:?}");
+        assert_eq!(result.seq_gaps, 1);
+    }
+
+    #[test]
+    fn lost_repeated_mismatched_and_misordered_are_all_caught() {
+        let histories = HashMap::from([(
+            "c".to_owned(),
+            vec![row("ana", "a", 2), row("ana", "a", 1), row("ana", "b", 3)],
+        )]);
+        let result = audit(
+            &[
+                sent("a", &[(102, 2), (999, 9)], true),
+                sent("b", &[(103, 3)], false),
+                sent("x", &[(104, 4)], false),
+            ],
+            &histories,
+        );
+        assert_eq!(result.repeats, 1);
+        assert_eq!(result.lost, 1, "x was ACKed but is not stored");
+        assert_eq!(result.ack_mismatches, 1);
+        assert_eq!(result.seq_order_violations, 1);
+        assert_eq!(result.failed, 2);
+        assert_eq!(result.failed_but_stored, 1);
+        assert!(!result.passed());
+    }
+}

@@ -1,0 +1,14 @@
+//! imdedup's load-test driver. It speaks the gateway's WebSocket protocol as
+//! phones do: each message gets its client ID before the first send and
+//! keeps it on every resend; sends and ACKs are lost per leg with their own
+//! probabilities; resends follow exponential backoff with jitter. Load is
+//! open-loop (messages are due at a constant rate whether or not earlier
+//! ones were answered), and at the end an audit pulls every conversation's
+//! history and checks that nothing was lost or stored twice.
+
+pub mod audit;
+pub mod phone;
+pub mod report;
+pub mod run;
+
+pub use run::{LoadConfig, Outcome, run};

@@ -1,0 +1,158 @@
+//! `imdedup-load`: drive a gateway like a crowd of phones, then audit.
+
+use std::{path::PathBuf, time::Duration};
+
+use clap::{Args, Parser, Subcommand};
+use imdedup_loadtest::{LoadConfig, phone::ResendPolicy, run, run::Target};
+
+#[derive(Parser)]
+#[command(name = "imdedup-load", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    scenario: Scenario,
+}
+
+#[derive(Subcommand)]
+enum Scenario {
+    /// The book's chapter 4: 10,000 messages at 10% loss per leg, resends at
+    /// 0, 1, 3, 7, 15 s (compressed by --time-scale), late resends an hour on.
+    Book(Common),
+    /// Rated load with realistic loss, for the given duration.
+    Steady(Common),
+}
+
+#[derive(Args)]
+struct Common {
+    /// Start a local cluster on the embedded backends in this process.
+    #[arg(long, conflicts_with = "url")]
+    embedded: bool,
+    /// A running gateway's WebSocket URL (`ws://host:port/v1/ws`).
+    #[arg(long, env = "IMDEDUP_LOAD_URL")]
+    url: Option<String>,
+    /// The gateway's token secret, to mint the phones' tokens.
+    #[arg(long, env = "IMDEDUP_TOKEN_SECRET", hide_env_values = true)]
+    token_secret: Option<String>,
+    /// Messages to send [default: book 10000; steady rate x duration].
+    #[arg(long)]
+    messages: Option<u64>,
+    /// Offered messages per second [default: book 2000, steady 13900].
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Steady only: how long to offer the rate.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    duration: Duration,
+    /// Time to ramp up to the rate.
+    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    ramp: Duration,
+    /// Phones (each with its own connection).
+    #[arg(long, default_value_t = 200)]
+    users: usize,
+    /// Share of messages to group conversations.
+    #[arg(long, default_value_t = 0.3)]
+    group_share: f64,
+    #[arg(long, default_value_t = 20)]
+    groups: usize,
+    #[arg(long, default_value_t = 60)]
+    body_bytes: usize,
+    /// Chance a send is lost on the way up [default: book 0.1, steady 0.001].
+    #[arg(long)]
+    loss_send: Option<f64>,
+    /// Chance an ACK is lost on the way down [default: book 0.1, steady 0.001].
+    #[arg(long)]
+    loss_ack: Option<f64>,
+    /// Scales the 0, 1, 3, 7, 15 s / 31 s resend schedule [default: book
+    /// 0.01, steady 1].
+    #[arg(long)]
+    time_scale: Option<f64>,
+    /// Jitter of each resend delay, as a fraction.
+    #[arg(long, default_value_t = 0.1)]
+    jitter: f64,
+    /// Share of messages also sent at the same moment over a second
+    /// connection of the sender.
+    #[arg(long, default_value_t = 0.0)]
+    concurrent_copies: f64,
+    /// Messages resent an hour later, after the window (embedded only)
+    /// [default: book 100 with --embedded, else 0].
+    #[arg(long)]
+    late_resends: Option<usize>,
+    /// Ingest shards of the embedded cluster.
+    #[arg(long, default_value_t = 2)]
+    shards: usize,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Write the report as JSON here too.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// No progress line.
+    #[arg(long)]
+    quiet: bool,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let (name, book, args) = match cli.scenario {
+        Scenario::Book(args) => ("book", true, args),
+        Scenario::Steady(args) => ("steady", false, args),
+    };
+    let target = match (&args.url, args.embedded) {
+        (Some(url), false) => Target::Gateway {
+            url: url.clone(),
+            token_secret: args.token_secret.clone().ok_or_else(|| {
+                anyhow::anyhow!("--url needs --token-secret (or IMDEDUP_TOKEN_SECRET)")
+            })?,
+        },
+        (None, true) => Target::Embedded {
+            shards: args.shards,
+        },
+        _ => anyhow::bail!("give --embedded or --url"),
+    };
+    let rate = args.rate.unwrap_or(if book { 2000.0 } else { 13_900.0 });
+    let loss = if book { 0.1 } else { 0.001 };
+    let time_scale = args.time_scale.unwrap_or(if book { 0.01 } else { 1.0 });
+    let embedded = matches!(target, Target::Embedded { .. });
+    let config = LoadConfig {
+        scenario: name.to_owned(),
+        target,
+        messages: args.messages.unwrap_or(if book {
+            10_000
+        } else {
+            (rate * args.duration.as_secs_f64()) as u64
+        }),
+        rate,
+        ramp: args.ramp,
+        users: args.users,
+        group_share: args.group_share,
+        groups: args.groups,
+        body_bytes: args.body_bytes,
+        loss_send: args.loss_send.unwrap_or(loss),
+        loss_ack: args.loss_ack.unwrap_or(loss),
+        policy: ResendPolicy {
+            jitter: args.jitter,
+            ..ResendPolicy::book(time_scale)
+        },
+        concurrent_copies: args.concurrent_copies,
+        late_resends: args
+            .late_resends
+            .unwrap_or(if book && embedded { 100 } else { 0 }),
+        seed: args.seed,
+        progress: !args.quiet,
+    };
+    let outcome = run(config).await?;
+    print!("{}", outcome.report.render());
+    if let Some(path) = args.json {
+        std::fs::write(&path, serde_json::to_vec_pretty(&outcome.report)?)?;
+        eprintln!("report written to {}", path.display());
+    }
+    if !outcome.audit.passed() {
+        std::process::exit(1);
+    }
+    Ok(())
+}

@@ -1,0 +1,147 @@
+//! One message's life on a phone: send, lose, wait, resend, give up.
+
+use std::time::Duration;
+
+use imdedup_client::{AckReply, Client};
+use rand::Rng;
+use tokio::time::Instant;
+
+/// When a phone resends: try k at `base × (2^k − 1)` (the book's 0, 1, 3,
+/// 7, 15 s for a 1 s base), each delay stretched by up to ±`jitter`, and it
+/// gives up (shows "failed") at `give_up` after the first try.
+#[derive(Debug, Clone)]
+pub struct ResendPolicy {
+    pub base: Duration,
+    pub tries: u32,
+    pub give_up: Duration,
+    pub jitter: f64,
+}
+
+impl ResendPolicy {
+    /// The book's schedule, scaled by `time_scale` (0.01 plays 1 s as 10 ms).
+    pub fn book(time_scale: f64) -> Self {
+        Self {
+            base: Duration::from_secs_f64(time_scale),
+            tries: 5,
+            give_up: Duration::from_secs_f64(31.0 * time_scale),
+            jitter: 0.0,
+        }
+    }
+
+    /// Offsets of every try after the first send.
+    pub fn offsets(&self, rng: &mut impl Rng) -> Vec<Duration> {
+        (0..self.tries)
+            .map(|k| {
+                let nominal = self.base.as_secs_f64() * f64::from((1u32 << k.min(20)) - 1);
+                let stretch = if self.jitter > 0.0 {
+                    1.0 + rng.random_range(-self.jitter..=self.jitter)
+                } else {
+                    1.0
+                };
+                Duration::from_secs_f64((nominal * stretch).max(0.0))
+            })
+            .collect()
+    }
+}
+
+/// The network's fate for one try.
+#[derive(Debug, Clone, Copy)]
+pub struct Fate {
+    pub send_lost: bool,
+    pub ack_lost: bool,
+}
+
+/// What happened to one message.
+#[derive(Debug, Clone, Default)]
+pub struct Trace {
+    /// Every ACK the server sent, including those lost on the way back.
+    pub server_acks: Vec<AckReply>,
+    /// The ACK the phone finally received.
+    pub received: Option<AckReply>,
+    /// From the moment the message was due to the ACK reaching the phone.
+    pub latency: Option<Duration>,
+    pub tries: u32,
+    pub sends_lost: u32,
+    pub acks_lost: u32,
+    /// Error codes of tries answered with an error frame.
+    pub errors: Vec<String>,
+}
+
+/// Deliver one message the way a phone does, starting at `due`.
+pub async fn deliver(
+    client: &Client,
+    id: &[u8],
+    conversation: &str,
+    body: &str,
+    due: Instant,
+    offsets: &[Duration],
+    fates: &[Fate],
+    give_up: Duration,
+) -> Trace {
+    let mut trace = Trace::default();
+    for (offset, fate) in offsets.iter().zip(fates) {
+        tokio::time::sleep_until(due + *offset).await;
+        trace.tries += 1;
+        if fate.send_lost {
+            trace.sends_lost += 1;
+            continue;
+        }
+        match client.send(id, conversation, body).await {
+            Ok(Ok(ack)) => {
+                trace.server_acks.push(ack.clone());
+                if fate.ack_lost {
+                    trace.acks_lost += 1;
+                } else {
+                    trace.latency = Some(due.elapsed());
+                    trace.received = Some(ack);
+                    return trace;
+                }
+            }
+            Ok(Err(e)) => {
+                let retryable = e.retryable;
+                trace.errors.push(e.code);
+                if !retryable {
+                    return trace;
+                }
+            }
+            Err(e) => trace.errors.push(format!("connection: {e}")),
+        }
+        if due.elapsed() >= give_up {
+            break;
+        }
+    }
+    trace
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::{SeedableRng, rngs::StdRng};
+
+    use super::*;
+
+    #[test]
+    fn the_book_schedule_is_0_1_3_7_15_and_31() {
+        let policy = ResendPolicy::book(1.0);
+        let secs: Vec<f64> = policy
+            .offsets(&mut StdRng::seed_from_u64(1))
+            .iter()
+            .map(Duration::as_secs_f64)
+            .collect();
+        assert_eq!(secs, [0.0, 1.0, 3.0, 7.0, 15.0]);
+        assert_eq!(policy.give_up, Duration::from_secs(31));
+    }
+
+    #[test]
+    fn jitter_stays_within_its_bounds() {
+        let policy = ResendPolicy {
+            jitter: 0.2,
+            ..ResendPolicy::book(1.0)
+        };
+        let mut rng = StdRng::seed_from_u64(7);
+        for _ in 0..100 {
+            let offsets = policy.offsets(&mut rng);
+            assert!((0.8..=1.2).contains(&offsets[1].as_secs_f64()));
+            assert!((12.0..=18.0).contains(&offsets[4].as_secs_f64()));
+        }
+    }
+}

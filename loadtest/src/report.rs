@@ -1,0 +1,172 @@
+//! The run's report: a terminal summary and the same figures as JSON.
+
+use std::{collections::BTreeMap, fmt::Write as _, time::Duration};
+
+use hdrhistogram::Histogram;
+use serde::Serialize;
+
+use crate::{
+    audit::{Audit, Sent},
+    run::{LoadConfig, Target},
+};
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Latency {
+    pub p50_ms: f64,
+    pub p90_ms: f64,
+    pub p99_ms: f64,
+    pub p999_ms: f64,
+    pub max_ms: f64,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Outcomes {
+    pub stored: u64,
+    pub duplicate_window: u64,
+    pub duplicate_unique_key: u64,
+    /// Error frames by code.
+    pub errors: BTreeMap<String, u64>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub scenario: String,
+    pub target: String,
+    pub messages: u64,
+    pub offered_rate: f64,
+    /// ACKed messages per second over the sending phase.
+    pub achieved_rate: f64,
+    pub sending_seconds: f64,
+    /// From a message's due time to its ACK on the phone, resends included.
+    pub ack_latency: Latency,
+    /// What the server answered, for every copy that reached it.
+    pub outcomes: Outcomes,
+    pub tries: u64,
+    pub resends: u64,
+    pub sends_lost: u64,
+    pub acks_lost: u64,
+    pub late_resends: u64,
+    pub late_resends_caught_by_unique_key: u64,
+    pub audit: Audit,
+}
+
+impl Report {
+    pub fn new(
+        config: &LoadConfig,
+        sent: &[Sent],
+        sending: Duration,
+        late_caught: u64,
+        audit: Audit,
+    ) -> Self {
+        let mut histogram =
+            Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3).expect("valid histogram bounds");
+        let mut outcomes = Outcomes::default();
+        let (mut tries, mut sends_lost, mut acks_lost) = (0, 0, 0);
+        for message in sent {
+            let trace = &message.trace;
+            if let Some(latency) = trace.latency {
+                let micros = u64::try_from(latency.as_micros())
+                    .unwrap_or(u64::MAX)
+                    .max(1);
+                histogram.saturating_record(micros);
+            }
+            tries += u64::from(trace.tries);
+            sends_lost += u64::from(trace.sends_lost);
+            acks_lost += u64::from(trace.acks_lost);
+            for ack in &trace.server_acks {
+                match ack.outcome.as_str() {
+                    "stored" => outcomes.stored += 1,
+                    "duplicate_window" => outcomes.duplicate_window += 1,
+                    "duplicate_unique_key" => outcomes.duplicate_unique_key += 1,
+                    _ => {}
+                }
+            }
+            for code in &trace.errors {
+                *outcomes.errors.entry(code.clone()).or_default() += 1;
+            }
+        }
+        let ms = |q: f64| histogram.value_at_quantile(q) as f64 / 1000.0;
+        let acked = sent.iter().filter(|m| m.trace.received.is_some()).count() as f64;
+        Self {
+            scenario: config.scenario.clone(),
+            target: match &config.target {
+                Target::Embedded { shards } => format!("embedded ({shards} ingest shards)"),
+                Target::Gateway { url, .. } => url.clone(),
+            },
+            messages: sent.len() as u64,
+            offered_rate: config.rate,
+            achieved_rate: acked / sending.as_secs_f64().max(1e-9),
+            sending_seconds: sending.as_secs_f64(),
+            ack_latency: Latency {
+                p50_ms: ms(0.50),
+                p90_ms: ms(0.90),
+                p99_ms: ms(0.99),
+                p999_ms: ms(0.999),
+                max_ms: histogram.max() as f64 / 1000.0,
+            },
+            outcomes,
+            tries,
+            resends: tries.saturating_sub(sent.len() as u64),
+            sends_lost,
+            acks_lost,
+            late_resends: config.late_resends as u64,
+            late_resends_caught_by_unique_key: late_caught,
+            audit,
+        }
+    }
+
+    /// The terminal summary.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let a = &self.audit;
+        let o = &self.outcomes;
+        let l = &self.ack_latency;
+        let _ = writeln!(out, "scenario {}  target {}", self.scenario, self.target);
+        let _ = writeln!(
+            out,
+            "  messages {:>9}   offered {:>8.0}/s   achieved {:>8.0}/s over {:.1} s",
+            self.messages, self.offered_rate, self.achieved_rate, self.sending_seconds
+        );
+        let _ = writeln!(
+            out,
+            "  ACK latency ms   p50 {:.2}  p90 {:.2}  p99 {:.2}  p99.9 {:.2}  max {:.2}",
+            l.p50_ms, l.p90_ms, l.p99_ms, l.p999_ms, l.max_ms
+        );
+        let _ = writeln!(
+            out,
+            "  tries {}  resends {}  sends lost {}  ACKs lost {}",
+            self.tries, self.resends, self.sends_lost, self.acks_lost
+        );
+        let _ = writeln!(
+            out,
+            "  server answers   stored {}  caught by the window {}  caught by the unique key {}  errors {:?}",
+            o.stored, o.duplicate_window, o.duplicate_unique_key, o.errors
+        );
+        if self.late_resends > 0 {
+            let _ = writeln!(
+                out,
+                "  late resends     {} sent an hour later, {} caught by the unique key",
+                self.late_resends, self.late_resends_caught_by_unique_key
+            );
+        }
+        let _ = writeln!(out, "audit ({} rows stored)", a.stored_rows);
+        for (name, value, must_be_zero) in [
+            ("lost (ACKed, not stored)", a.lost, true),
+            ("repeats receivers see", a.repeats, true),
+            ("ACKs differing from the first", a.ack_mismatches, true),
+            ("seq order violations", a.seq_order_violations, true),
+            ("seq gaps", a.seq_gaps, false),
+            ("failed on the phone (never ACKed)", a.failed, false),
+            ("  of which stored anyway", a.failed_but_stored, false),
+        ] {
+            let verdict = match (must_be_zero, value) {
+                (true, 0) => "ok",
+                (true, _) => "FAIL",
+                (false, _) => "",
+            };
+            let _ = writeln!(out, "  {name:<36} {value:>8}  {verdict}");
+        }
+        let _ = writeln!(out, "{}", if a.passed() { "PASSED" } else { "FAILED" });
+        out
+    }
+}

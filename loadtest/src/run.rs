@@ -1,0 +1,359 @@
+//! One load run: start or reach the target, drive phones open-loop, resend
+//! late, pull every history, audit.
+
+use std::{
+    collections::{HashMap, HashSet},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use anyhow::{Context, bail};
+use imdedup_client::{Client, Encoding};
+use imdedup_cluster::{ClusterOptions, LocalCluster};
+use imdedup_core::{
+    clock::{Clock, ManualClock, SystemClock},
+    model::Sender,
+    token::TokenKey,
+};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+use tokio::time::Instant;
+
+use crate::{
+    audit::{Audit, Sent, audit},
+    phone::{Fate, ResendPolicy, Trace, deliver},
+    report::Report,
+};
+
+/// Where the load goes.
+#[derive(Debug, Clone)]
+pub enum Target {
+    /// A local cluster on the embedded backends, started in this process.
+    Embedded { shards: usize },
+    /// A running gateway, and the secret to mint its users' tokens with.
+    Gateway { url: String, token_secret: String },
+}
+
+#[derive(Debug, Clone)]
+pub struct LoadConfig {
+    pub scenario: String,
+    pub target: Target,
+    pub messages: u64,
+    /// Messages per second once the ramp is over.
+    pub rate: f64,
+    pub ramp: Duration,
+    pub users: usize,
+    /// Share of messages sent to group conversations (the rest are direct).
+    pub group_share: f64,
+    pub groups: usize,
+    pub body_bytes: usize,
+    pub loss_send: f64,
+    pub loss_ack: f64,
+    pub policy: ResendPolicy,
+    /// Share of messages whose copy also goes, at the same moment, over the
+    /// sender's second connection.
+    pub concurrent_copies: f64,
+    /// Messages resent after the window expired (embedded target only: the
+    /// driver moves the cluster's clock an hour ahead).
+    pub late_resends: usize,
+    pub seed: u64,
+    /// Print a progress line every second.
+    pub progress: bool,
+}
+
+/// The result of a run.
+pub struct Outcome {
+    pub report: Report,
+    pub audit: Audit,
+}
+
+#[derive(Default)]
+struct Progress {
+    due: AtomicU64,
+    done: AtomicU64,
+    acked: AtomicU64,
+    resends: AtomicU64,
+    errors: AtomicU64,
+}
+
+struct Planned {
+    sender: usize,
+    id: String,
+    conversation: String,
+    offsets: Vec<Duration>,
+    fates: Vec<Fate>,
+    concurrent_copy: bool,
+}
+
+/// When message `n` is due: a linear ramp up to `rate` over `ramp`, then
+/// constant, whatever the answers.
+fn due_after(n: u64, rate: f64, ramp: Duration) -> Duration {
+    let ramp_s = ramp.as_secs_f64();
+    let during_ramp = rate * ramp_s / 2.0;
+    let n = n as f64;
+    let t = if ramp_s > 0.0 && n < during_ramp {
+        (2.0 * ramp_s * n / rate).sqrt()
+    } else {
+        ramp_s + (n - during_ramp.min(n)) / rate
+    };
+    Duration::from_secs_f64(t)
+}
+
+fn check(config: &LoadConfig) -> anyhow::Result<()> {
+    for (name, p) in [
+        ("loss-send", config.loss_send),
+        ("loss-ack", config.loss_ack),
+        ("group-share", config.group_share),
+        ("concurrent-copies", config.concurrent_copies),
+    ] {
+        if !(0.0..=1.0).contains(&p) {
+            bail!("--{name} must be between 0 and 1, got {p}");
+        }
+    }
+    if !(config.rate > 0.0 && config.rate.is_finite()) {
+        bail!("--rate must be positive");
+    }
+    if config.users < 2 {
+        bail!("--users must be at least 2");
+    }
+    if config.late_resends > 0 && !matches!(config.target, Target::Embedded { .. }) {
+        bail!("--late-resends needs --embedded: the driver must move the cluster's clock");
+    }
+    Ok(())
+}
+
+pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
+    check(&config)?;
+    let clock = ManualClock::new();
+    let dir = tempfile::tempdir()?;
+    let (cluster, url, token_key, now) = match &config.target {
+        Target::Embedded { shards } => {
+            let mut options = ClusterOptions::new(dir.path(), Arc::new(clock.clone()));
+            options.shards = *shards;
+            let cluster = LocalCluster::start(options).await?;
+            let url = cluster.gateway_url();
+            let key = TokenKey::new(imdedup_cluster::DEV_TOKEN_SECRET)?;
+            (Some(cluster), url, key, clock.unix_seconds())
+        }
+        Target::Gateway { url, token_secret } => (
+            None,
+            url.clone(),
+            TokenKey::new(token_secret.clone())?,
+            SystemClock.unix_seconds(),
+        ),
+    };
+    let run_tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+    let user_name = |u: usize| format!("u{run_tag}-{u}");
+    let token = |u: usize| -> anyhow::Result<String> {
+        Ok(token_key.mint(&Sender::parse(user_name(u))?, now + 86_400))
+    };
+
+    let second = config.concurrent_copies > 0.0;
+    let mut phones = Vec::with_capacity(config.users);
+    for u in 0..config.users {
+        let connect = || async {
+            Client::connect(&url, &token(u)?, Encoding::Json)
+                .await
+                .with_context(|| format!("cannot connect phone {u} to {url}"))
+        };
+        let first = connect().await?;
+        let other = if second { Some(connect().await?) } else { None };
+        phones.push((first, other));
+    }
+    let phones = Arc::new(phones);
+
+    let mut rng = StdRng::seed_from_u64(config.seed);
+    let plan: Vec<Planned> = (0..config.messages)
+        .map(|_| {
+            let sender = rng.random_range(0..config.users);
+            let conversation = if rng.random_bool(config.group_share) {
+                format!("g{run_tag}-{}", rng.random_range(0..config.groups.max(1)))
+            } else {
+                let mut other = rng.random_range(0..config.users - 1);
+                if other >= sender {
+                    other += 1;
+                }
+                let (a, b) = (sender.min(other), sender.max(other));
+                format!("d{run_tag}-{a}-{b}")
+            };
+            let offsets = config.policy.offsets(&mut rng);
+            let fates = offsets
+                .iter()
+                .map(|_| Fate {
+                    send_lost: rng.random_bool(config.loss_send),
+                    ack_lost: rng.random_bool(config.loss_ack),
+                })
+                .collect();
+            let bytes: [u8; 16] = rng.random();
+            Planned {
+                sender,
+                id: uuid::Builder::from_random_bytes(bytes)
+                    .into_uuid()
+                    .to_string(),
+                conversation,
+                offsets,
+                fates,
+                concurrent_copy: rng.random_bool(config.concurrent_copies),
+            }
+        })
+        .collect();
+    let body: Arc<str> = "x".repeat(config.body_bytes.max(1)).into();
+
+    let progress = Arc::new(Progress::default());
+    let reporter = config.progress.then(|| {
+        let progress = Arc::clone(&progress);
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let mut last_acked = 0;
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let acked = progress.acked.load(Ordering::Relaxed);
+                let due = progress.due.load(Ordering::Relaxed);
+                let done = progress.done.load(Ordering::Relaxed);
+                eprintln!(
+                    "t={:>5.1}s  rate {:>6}/s  due {due}  in flight {}  acked {acked}  resends {}  errors {}",
+                    started.elapsed().as_secs_f64(),
+                    acked - last_acked,
+                    due - done,
+                    progress.resends.load(Ordering::Relaxed),
+                    progress.errors.load(Ordering::Relaxed),
+                );
+                last_acked = acked;
+            }
+        })
+    });
+
+    let traces: Arc<Mutex<Vec<Option<Trace>>>> = Arc::new(Mutex::new(vec![None; plan.len()]));
+    let plan = Arc::new(plan);
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for index in 0..plan.len() {
+        let due = started + due_after(index as u64, config.rate, config.ramp);
+        tokio::time::sleep_until(due).await;
+        progress.due.fetch_add(1, Ordering::Relaxed);
+        let (phones, plan, body, traces, progress) = (
+            Arc::clone(&phones),
+            Arc::clone(&plan),
+            Arc::clone(&body),
+            Arc::clone(&traces),
+            Arc::clone(&progress),
+        );
+        let give_up = config.policy.give_up;
+        tasks.spawn(async move {
+            let message = &plan[index];
+            let (phone, other) = &phones[message.sender];
+            let copy = async {
+                match (message.concurrent_copy, other) {
+                    (true, Some(other)) => other
+                        .send(message.id.as_bytes(), &message.conversation, &body)
+                        .await
+                        .ok()
+                        .and_then(Result::ok),
+                    _ => None,
+                }
+            };
+            let (mut trace, copy_ack) = tokio::join!(
+                deliver(
+                    phone,
+                    message.id.as_bytes(),
+                    &message.conversation,
+                    &body,
+                    due,
+                    &message.offsets,
+                    &message.fates,
+                    give_up,
+                ),
+                copy
+            );
+            trace.server_acks.extend(copy_ack);
+            progress
+                .resends
+                .fetch_add(u64::from(trace.tries.saturating_sub(1)), Ordering::Relaxed);
+            progress
+                .errors
+                .fetch_add(trace.errors.len() as u64, Ordering::Relaxed);
+            if trace.received.is_some() {
+                progress.acked.fetch_add(1, Ordering::Relaxed);
+            }
+            progress.done.fetch_add(1, Ordering::Relaxed);
+            if let Ok(mut traces) = traces.lock() {
+                traces[index] = Some(trace);
+            }
+        });
+    }
+    while tasks.join_next().await.is_some() {}
+    let sending = started.elapsed();
+    if let Some(reporter) = reporter {
+        reporter.abort();
+    }
+    let mut traces: Vec<Trace> =
+        std::mem::take(&mut *traces.lock().map_err(|_| anyhow::anyhow!("poisoned"))?)
+            .into_iter()
+            .map(Option::unwrap_or_default)
+            .collect();
+
+    // The app was killed and resends from its outbox an hour later.
+    let mut late_caught = 0;
+    if config.late_resends > 0 {
+        clock.advance(Duration::from_secs(3600));
+        for (index, message) in plan.iter().enumerate().take(config.late_resends) {
+            let (phone, _) = &phones[message.sender];
+            if let Ok(Ok(ack)) = phone
+                .send(message.id.as_bytes(), &message.conversation, &body)
+                .await
+            {
+                late_caught += u64::from(ack.outcome == "duplicate_unique_key");
+                traces[index].server_acks.push(ack);
+            }
+        }
+    }
+
+    // The receivers' view: every conversation's stored history.
+    let reader = Client::connect(&url, &token(0)?, Encoding::Json).await?;
+    let conversations: HashSet<&str> = plan.iter().map(|m| m.conversation.as_str()).collect();
+    let mut histories = HashMap::new();
+    for conversation in conversations {
+        let rows = match reader.full_history(conversation).await? {
+            Ok(rows) => rows,
+            Err(e) => bail!("history of {conversation}: {} ({})", e.code, e.message),
+        };
+        histories.insert(conversation.to_owned(), rows);
+    }
+    let sent: Vec<Sent> = plan
+        .iter()
+        .zip(traces)
+        .map(|(m, trace)| Sent {
+            sender: user_name(m.sender),
+            id: m.id.as_bytes().to_vec(),
+            conversation: m.conversation.clone(),
+            trace,
+        })
+        .collect();
+    let result = audit(&sent, &histories);
+    let report = Report::new(&config, &sent, sending, late_caught, result.clone());
+    drop(phones);
+    drop(reader);
+    if let Some(cluster) = cluster {
+        cluster.shutdown().await;
+    }
+    Ok(Outcome {
+        report,
+        audit: result,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ramp_reaches_the_rate_and_then_holds_it() {
+        let ramp = Duration::from_secs(2);
+        // 1000/s over a 2 s ramp: 1000 messages during the ramp.
+        assert!((due_after(1000, 1000.0, ramp).as_secs_f64() - 2.0).abs() < 1e-9);
+        assert!((due_after(2000, 1000.0, ramp).as_secs_f64() - 3.0).abs() < 1e-9);
+        assert!((due_after(10, 100.0, Duration::ZERO).as_secs_f64() - 0.1).abs() < 1e-9);
+    }
+}

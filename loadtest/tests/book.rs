@@ -1,0 +1,73 @@
+//! A short `book` run through the real services: phones on a lossy network
+//! end with nothing lost and nothing stored twice.
+
+use std::time::Duration;
+
+use imdedup_loadtest::{LoadConfig, phone::ResendPolicy, run, run::Target};
+
+fn book(messages: u64) -> LoadConfig {
+    LoadConfig {
+        scenario: "book".into(),
+        target: Target::Embedded { shards: 2 },
+        messages,
+        rate: 2000.0,
+        ramp: Duration::from_millis(200),
+        users: 20,
+        group_share: 0.3,
+        groups: 4,
+        body_bytes: 40,
+        loss_send: 0.1,
+        loss_ack: 0.1,
+        policy: ResendPolicy {
+            jitter: 0.1,
+            ..ResendPolicy::book(0.01)
+        },
+        concurrent_copies: 0.05,
+        late_resends: 50,
+        seed: 4,
+        progress: false,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_book_run_loses_nothing_and_stores_nothing_twice() {
+    let outcome = run(book(1000)).await.unwrap();
+    let report = &outcome.report;
+    let audit = &outcome.audit;
+    assert!(audit.passed(), "{}", report.render());
+    assert_eq!(audit.lost, 0);
+    assert_eq!(audit.repeats, 0);
+    assert_eq!(audit.ack_mismatches, 0);
+    assert_eq!(
+        report.outcomes.stored, audit.stored_rows,
+        "one row per stored answer"
+    );
+    // At 10% ACK loss, roughly a tenth of the messages are resent after a
+    // lost ACK, and the window recognises them.
+    assert!(report.acks_lost > 50, "{}", report.render());
+    assert!(report.outcomes.duplicate_window > 50, "{}", report.render());
+    // The app killed and reopened an hour later: the unique key catches all.
+    assert_eq!(
+        report.late_resends_caught_by_unique_key,
+        50,
+        "{}",
+        report.render()
+    );
+    // Every message that reached the server at least once is stored once.
+    assert!(audit.stored_rows <= 1000);
+    assert!(audit.stored_rows + audit.failed >= 1000);
+}
+
+#[tokio::test]
+async fn nonsense_settings_are_refused() {
+    let mut config = book(10);
+    config.loss_send = 1.5;
+    assert!(run(config).await.is_err());
+    let mut config = book(10);
+    config.target = Target::Gateway {
+        url: "ws://127.0.0.1:9/v1/ws".into(),
+        token_secret: "0123456789abcdef".into(),
+    };
+    let err = run(config).await.err().unwrap().to_string();
+    assert!(err.contains("--late-resends needs --embedded"), "{err}");
+}
