@@ -67,12 +67,20 @@ pub struct Trace {
     pub errors: Vec<String>,
 }
 
-/// Deliver one message the way a phone does, starting at `due`.
+/// A message in the outbox.
+#[derive(Debug, Clone, Copy)]
+pub struct Outgoing<'a> {
+    pub id: &'a [u8],
+    pub conversation: &'a str,
+    pub body: &'a str,
+}
+
+/// Deliver one message the way a phone does, starting at `due`: a try at
+/// each offset, the network's fate for each, and no more tries after
+/// `give_up`.
 pub async fn deliver(
     client: &Client,
-    id: &[u8],
-    conversation: &str,
-    body: &str,
+    message: Outgoing<'_>,
     due: Instant,
     offsets: &[Duration],
     fates: &[Fate],
@@ -86,7 +94,10 @@ pub async fn deliver(
             trace.sends_lost += 1;
             continue;
         }
-        match client.send(id, conversation, body).await {
+        match client
+            .send(message.id, message.conversation, message.body)
+            .await
+        {
             Ok(Ok(ack)) => {
                 trace.server_acks.push(ack.clone());
                 if fate.ack_lost {

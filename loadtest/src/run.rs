@@ -23,7 +23,7 @@ use tokio::time::Instant;
 
 use crate::{
     audit::{Audit, Sent, audit},
-    phone::{Fate, ResendPolicy, Trace, deliver},
+    phone::{Fate, Outgoing, ResendPolicy, Trace, deliver},
     report::Report,
 };
 
@@ -257,9 +257,11 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
             let (mut trace, copy_ack) = tokio::join!(
                 deliver(
                     phone,
-                    message.id.as_bytes(),
-                    &message.conversation,
-                    &body,
+                    Outgoing {
+                        id: message.id.as_bytes(),
+                        conversation: &message.conversation,
+                        body: &body,
+                    },
                     due,
                     &message.offsets,
                     &message.fates,
