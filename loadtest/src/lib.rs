@@ -7,6 +7,7 @@
 //! history and checks that nothing was lost or stored twice.
 
 pub mod audit;
+pub mod html;
 pub mod phone;
 pub mod report;
 pub mod run;

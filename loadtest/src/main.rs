@@ -83,6 +83,9 @@ struct Common {
     /// Write the report as JSON here too.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Write a self-contained HTML report with plots here.
+    #[arg(long)]
+    html: Option<PathBuf>,
     /// No progress line.
     #[arg(long)]
     quiet: bool,
@@ -150,6 +153,10 @@ async fn main() -> anyhow::Result<()> {
     if let Some(path) = args.json {
         std::fs::write(&path, serde_json::to_vec_pretty(&outcome.report)?)?;
         eprintln!("report written to {}", path.display());
+    }
+    if let Some(path) = args.html {
+        std::fs::write(&path, imdedup_loadtest::html::render(&outcome.report))?;
+        eprintln!("HTML report written to {}", path.display());
     }
     if !outcome.audit.passed() {
         std::process::exit(1);

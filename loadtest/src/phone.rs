@@ -65,6 +65,8 @@ pub struct Trace {
     pub acks_lost: u32,
     /// Error codes of tries answered with an error frame.
     pub errors: Vec<String>,
+    /// When the message was due, from the start of the run.
+    pub due_offset: Duration,
 }
 
 /// A message in the outbox.

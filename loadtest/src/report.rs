@@ -19,6 +19,15 @@ pub struct Latency {
     pub max_ms: f64,
 }
 
+/// One second of the run, by when ACKs reached the phones.
+#[derive(Debug, Clone, Serialize)]
+pub struct Second {
+    pub second: u64,
+    pub acked: u64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+}
+
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Outcomes {
     pub stored: u64,
@@ -48,6 +57,34 @@ pub struct Report {
     pub late_resends: u64,
     pub late_resends_caught_by_unique_key: u64,
     pub audit: Audit,
+    /// Throughput and latency over time.
+    pub timeline: Vec<Second>,
+}
+
+fn timeline(sent: &[Sent]) -> Vec<Second> {
+    let mut seconds: BTreeMap<u64, Vec<f64>> = BTreeMap::new();
+    for trace in sent.iter().map(|m| &m.trace) {
+        if let Some(latency) = trace.latency {
+            let at = (trace.due_offset + latency).as_secs();
+            seconds
+                .entry(at)
+                .or_default()
+                .push(latency.as_secs_f64() * 1000.0);
+        }
+    }
+    seconds
+        .into_iter()
+        .map(|(second, mut latencies)| {
+            latencies.sort_by(f64::total_cmp);
+            let at = |q: f64| latencies[((latencies.len() - 1) as f64 * q).round() as usize];
+            Second {
+                second,
+                acked: latencies.len() as u64,
+                p50_ms: at(0.5),
+                p99_ms: at(0.99),
+            }
+        })
+        .collect()
 }
 
 impl Report {
@@ -86,6 +123,7 @@ impl Report {
             }
         }
         let ms = |q: f64| histogram.value_at_quantile(q) as f64 / 1000.0;
+        let timeline = timeline(sent);
         let acked = sent.iter().filter(|m| m.trace.received.is_some()).count() as f64;
         Self {
             scenario: config.scenario.clone(),
@@ -112,6 +150,7 @@ impl Report {
             late_resends: config.late_resends as u64,
             late_resends_caught_by_unique_key: late_caught,
             audit,
+            timeline,
         }
     }
 

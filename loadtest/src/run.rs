@@ -270,6 +270,7 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
                 copy
             );
             trace.server_acks.extend(copy_ack);
+            trace.due_offset = due.duration_since(started);
             progress
                 .resends
                 .fetch_add(u64::from(trace.tries.saturating_sub(1)), Ordering::Relaxed);

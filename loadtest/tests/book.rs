@@ -56,6 +56,18 @@ async fn a_short_book_run_loses_nothing_and_stores_nothing_twice() {
     // Every message that reached the server at least once is stored once.
     assert!(audit.stored_rows <= 1000);
     assert!(audit.stored_rows + audit.failed >= 1000);
+
+    // The HTML report carries its three plots, drawn from the run's data.
+    let html = imdedup_loadtest::html::render(report);
+    assert_eq!(html.matches("<svg").count(), 3);
+    assert_eq!(html.matches("<polyline").count(), 3, "throughput, p50, p99");
+    assert!(html.contains(&format!(">{}</text>", report.outcomes.duplicate_window)));
+    let acked: u64 = report.timeline.iter().map(|s| s.acked).sum();
+    assert_eq!(
+        acked,
+        1000 - audit.failed,
+        "the timeline counts every ACK once"
+    );
 }
 
 #[tokio::test]
