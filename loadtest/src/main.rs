@@ -80,6 +80,10 @@ struct Common {
     shards: usize,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Run the embedded cluster with dedup off, to count the repeats dedup
+    /// prevents (local mode only).
+    #[arg(long)]
+    no_dedup: bool,
     /// Write the report as JSON here too.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -144,8 +148,13 @@ async fn main() -> anyhow::Result<()> {
         concurrent_copies: args.concurrent_copies,
         late_resends: args
             .late_resends
-            .unwrap_or(if book && embedded { 100 } else { 0 }),
+            .unwrap_or(if book && embedded && !args.no_dedup {
+                100
+            } else {
+                0
+            }),
         seed: args.seed,
+        dedup_off: args.no_dedup,
         progress: !args.quiet,
     };
     let outcome = run(config).await?;

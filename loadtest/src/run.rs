@@ -59,6 +59,9 @@ pub struct LoadConfig {
     /// driver moves the cluster's clock an hour ahead).
     pub late_resends: usize,
     pub seed: u64,
+    /// Run the embedded cluster with dedup off, to measure the repeats it
+    /// prevents (the book's comparison).
+    pub dedup_off: bool,
     /// Print a progress line every second.
     pub progress: bool,
 }
@@ -118,6 +121,9 @@ fn check(config: &LoadConfig) -> anyhow::Result<()> {
     if config.users < 2 {
         bail!("--users must be at least 2");
     }
+    if config.dedup_off && !matches!(config.target, Target::Embedded { .. }) {
+        bail!("--no-dedup exists for demonstrations and needs --embedded (local mode)");
+    }
     if config.late_resends > 0 && !matches!(config.target, Target::Embedded { .. }) {
         bail!("--late-resends needs --embedded: the driver must move the cluster's clock");
     }
@@ -132,6 +138,7 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
         Target::Embedded { shards } => {
             let mut options = ClusterOptions::new(dir.path(), Arc::new(clock.clone()));
             options.shards = *shards;
+            options.dedup_off = config.dedup_off;
             let cluster = LocalCluster::start(options).await?;
             let url = cluster.gateway_url();
             let key = TokenKey::new(imdedup_cluster::DEV_TOKEN_SECRET)?;

@@ -25,6 +25,7 @@ fn book(messages: u64) -> LoadConfig {
         concurrent_copies: 0.05,
         late_resends: 50,
         seed: 4,
+        dedup_off: false,
         progress: false,
     }
 }
@@ -70,6 +71,25 @@ async fn a_short_book_run_loses_nothing_and_stores_nothing_twice() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_dedup_receivers_see_about_one_repeat_per_ten_messages() {
+    let mut config = book(1000);
+    config.dedup_off = true;
+    config.late_resends = 0;
+    config.concurrent_copies = 0.0;
+    let outcome = run(config).await.unwrap();
+    let audit = &outcome.audit;
+    // The book: at 10% loss per leg, about 11 extra copies per 100 messages.
+    assert!(
+        (60..=180).contains(&audit.repeats),
+        "{}",
+        outcome.report.render()
+    );
+    assert!(!audit.passed(), "repeats fail the audit");
+    assert_eq!(audit.lost, 0);
+    assert_eq!(outcome.report.outcomes.duplicate_window, 0);
+}
+
 #[tokio::test]
 async fn nonsense_settings_are_refused() {
     let mut config = book(10);
@@ -80,6 +100,10 @@ async fn nonsense_settings_are_refused() {
         url: "ws://127.0.0.1:9/v1/ws".into(),
         token_secret: "0123456789abcdef".into(),
     };
-    let err = run(config).await.err().unwrap().to_string();
+    let err = run(config.clone()).await.err().unwrap().to_string();
     assert!(err.contains("--late-resends needs --embedded"), "{err}");
+    config.late_resends = 0;
+    config.dedup_off = true;
+    let err = run(config).await.err().unwrap().to_string();
+    assert!(err.contains("--no-dedup"), "{err}");
 }

@@ -54,6 +54,9 @@ pub struct ClusterOptions {
     pub max_body_bytes: usize,
     /// Gateway address; port 0 picks a free one.
     pub gateway_addr: SocketAddr,
+    /// Store every copy that arrives, to show what dedup prevents. Only this
+    /// local cluster offers it; the standalone ingest refuses it.
+    pub dedup_off: bool,
 }
 
 impl ClusterOptions {
@@ -69,6 +72,7 @@ impl ClusterOptions {
             storage_timeout: Duration::from_secs(2),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             gateway_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            dedup_off: false,
         }
     }
 }
@@ -152,7 +156,11 @@ impl LocalCluster {
                         Arc::new(ScyllaStore::open(scylla.clone()).await?),
                     ),
                 };
-            let dedup = Arc::new(Dedup::new(window, store, options.storage_timeout));
+            let mut dedup = Dedup::new(window, store, options.storage_timeout);
+            if options.dedup_off {
+                dedup = dedup.without_dedup_for_demonstration();
+            }
+            let dedup = Arc::new(dedup);
             let serving = Arc::clone(&dedup);
             let max_body = options.max_body_bytes;
             let running = spawn("ingest", move |stop| {

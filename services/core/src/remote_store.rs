@@ -61,6 +61,22 @@ impl MessageStore for RemoteStore {
         })
     }
 
+    async fn insert_copy(&self, message: NewMessage) -> Result<StoredMessage, Error> {
+        let mut request = pb::InsertOnceRequest::from(message);
+        request.store_copy = true;
+        let reply = self
+            .client
+            .clone()
+            .insert_once(self.request(request))
+            .await?
+            .into_inner();
+        convert::stored_message(
+            reply
+                .message
+                .ok_or_else(|| Error::internal("storage answered without a row"))?,
+        )
+    }
+
     async fn lookup(&self, key: &MessageKey) -> Result<Option<StoredMessage>, Error> {
         let reply = self
             .client

@@ -65,6 +65,10 @@ pub struct DemoArgs {
     /// Leave out the resend of message 3 an hour later.
     #[arg(long)]
     no_late_resend: bool,
+    /// Switch dedup off (store whatever arrives), to see the repeats it
+    /// prevents. Local mode only.
+    #[arg(long)]
+    no_dedup: bool,
     #[command(flatten)]
     redis: RedisArgs,
     #[command(flatten)]
@@ -231,6 +235,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         (None, None) => false,
         _ => bail!("give both --redis and --scylla, or neither (embedded backends)"),
     };
+    options.dedup_off = args.no_dedup;
     let cluster = LocalCluster::start(options).await?;
     // A database that outlives the run gets a conversation of this run's own.
     let conversation = if real {
@@ -431,18 +436,24 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             args.give_up
         );
     }
-    if let Some(ack) = &late {
-        let first = deliveries[2].clone();
-        if let Delivery::Acked(first) = first {
-            println!(
-                "\nThe late resend of #3 got the same ACK as the first time: server id {} seq {} (first: {} / {}).",
-                ack.server_id, ack.seq, first.server_id, first.seq
-            );
-        }
+    if let (Some(ack), Delivery::Acked(first)) = (&late, &deliveries[2]) {
+        let same = (ack.server_id, ack.seq) == (first.server_id, first.seq);
+        println!(
+            "\nThe late resend of #3 got {} ACK: server id {} seq {} (first: {} / {}).",
+            if same { "the same" } else { "a different" },
+            ack.server_id,
+            ack.seq,
+            first.server_id,
+            first.seq
+        );
     }
 
     drop((ana, ben));
     cluster.shutdown().await;
+    if args.no_dedup {
+        println!("\nDedup was off (--no-dedup): every copy that arrived was stored.");
+        return Ok(());
+    }
     if repeats > 0 || lost > 0 {
         bail!("the receiver saw {repeats} repeats and {lost} lost messages");
     }

@@ -28,6 +28,9 @@ pub struct DevArgs {
     /// How long the recent-ID window remembers a stored ID.
     #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
     window_ttl: std::time::Duration,
+    /// Switch dedup off (store whatever arrives), for demonstrations.
+    #[arg(long)]
+    no_dedup: bool,
     #[command(flatten)]
     redis: RedisArgs,
     #[command(flatten)]
@@ -53,8 +56,12 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         (None, None) => format!("embedded backends, data in {}", args.data_dir.display()),
         _ => bail!("give both --redis and --scylla, or neither (embedded backends)"),
     };
+    options.dedup_off = args.no_dedup;
     let cluster = LocalCluster::start(options).await?;
     println!("imdedup dev cluster ({backends})");
+    if args.no_dedup {
+        println!("  DEDUP IS OFF (--no-dedup): every copy that arrives is stored");
+    }
     println!("  WebSocket   {}", cluster.gateway_url());
     println!("  ingest gRPC {}", cluster.ingest_urls().join(" "));
     println!("  storage gRPC {}", cluster.storage_url());

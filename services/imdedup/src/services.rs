@@ -81,6 +81,11 @@ pub struct IngestArgs {
     /// Time given to sends in flight after SIGTERM.
     #[arg(long, env = "IMDEDUP_GRACE", default_value = "10s", value_parser = duration)]
     pub grace: Duration,
+    /// Refused: switching dedup off exists only for demonstrations, in
+    /// local mode (`imdedup demo --no-dedup`, `imdedup dev --no-dedup`,
+    /// `imdedup-load --embedded --no-dedup`).
+    #[arg(long, hide = true)]
+    pub no_dedup: bool,
     #[command(flatten)]
     pub redis: RedisArgs,
     /// With --scylla, the shard writes to ScyllaDB itself (it owns its
@@ -167,6 +172,12 @@ pub async fn storage(args: StorageArgs) -> anyhow::Result<()> {
 }
 
 pub async fn ingest(args: IngestArgs) -> anyhow::Result<()> {
+    if args.no_dedup {
+        anyhow::bail!(
+            "--no-dedup is refused outside local mode: it exists to demonstrate duplicates \
+             (imdedup demo --no-dedup, imdedup dev --no-dedup)"
+        );
+    }
     let store: Arc<dyn MessageStore> = match args.scylla.options()? {
         Some(scylla) => Arc::new(ScyllaStore::open(scylla).await?),
         None => Arc::new(RemoteStore::connect_lazy(

@@ -62,6 +62,8 @@ pub struct Dedup {
     store: Arc<dyn MessageStore>,
     storage_timeout: Duration,
     stats: DedupStats,
+    /// Store whatever arrives (a demonstration of the problem; local only).
+    dedup_off: bool,
 }
 
 impl Dedup {
@@ -75,7 +77,15 @@ impl Dedup {
             store,
             storage_timeout,
             stats: DedupStats::default(),
+            dedup_off: false,
         }
+    }
+
+    /// Switch dedup off: every copy that arrives is stored again. Exists to
+    /// show what dedup prevents; only the local cluster offers it.
+    pub fn without_dedup_for_demonstration(mut self) -> Self {
+        self.dedup_off = true;
+        self
     }
 
     pub fn stats(&self) -> &DedupStats {
@@ -85,6 +95,16 @@ impl Dedup {
     /// Store `message` once, or recognise it as a repeat; either way, return
     /// the ACK with the message's original server id and seq.
     pub async fn send(&self, message: NewMessage) -> Result<Ack, Error> {
+        if self.dedup_off {
+            let row = tokio::time::timeout(
+                self.storage_timeout,
+                self.store.insert_copy(message.clone()),
+            )
+            .await
+            .map_err(|_| Error::new(ErrorKind::DeadlineExceeded, "storage did not answer"))??;
+            bump(&self.stats.stored);
+            return Ok(ack(&message, row.receipt, Outcome::Stored));
+        }
         let key = message.key.clone();
         let claim = match self.window.claim(&key).await {
             Ok(claim) => Some(claim),

@@ -34,7 +34,16 @@ impl StorageService for StorageGrpc {
         &self,
         request: Request<pb::InsertOnceRequest>,
     ) -> Result<Response<pb::InsertOnceResponse>, Status> {
-        let message = convert::insert_request(request.into_inner(), MAX_STORED_BODY_BYTES)?;
+        let request = request.into_inner();
+        let store_copy = request.store_copy;
+        let message = convert::insert_request(request, MAX_STORED_BODY_BYTES)?;
+        if store_copy {
+            let row = self.store.insert_copy(message).await?;
+            return Ok(Response::new(pb::InsertOnceResponse {
+                inserted: true,
+                message: Some(row.into()),
+            }));
+        }
         let (inserted, row) = match self.store.insert_once(message).await? {
             Insert::Stored(row) => (true, row),
             Insert::AlreadyStored(row) => (false, row),

@@ -35,7 +35,8 @@ CREATE TABLE IF NOT EXISTS messages (
     seq           INTEGER NOT NULL,
     body          TEXT    NOT NULL,
     stored_at_ms  INTEGER NOT NULL,
-    UNIQUE (sender, client_msg_id),
+    copy          INTEGER NOT NULL DEFAULT 0, -- above 0 only with dedup off (a demonstration)
+    UNIQUE (sender, client_msg_id, copy),
     UNIQUE (conversation, seq)
 );
 CREATE TABLE IF NOT EXISTS conversations (
@@ -69,6 +70,8 @@ impl SqliteOptions {
 
 struct WriteJob {
     message: NewMessage,
+    /// Store another copy even if the key is stored (dedup off).
+    copy: bool,
     reply: oneshot::Sender<Result<Insert, Error>>,
 }
 
@@ -203,7 +206,7 @@ fn write_batch(
     let mut results = Vec::with_capacity(batch.len());
     for job in batch {
         let mut savepoint = tx.savepoint()?;
-        match insert_one(&savepoint, &job.message, now_ms) {
+        match insert_one(&savepoint, &job.message, now_ms, job.copy) {
             Ok(stored) => {
                 savepoint.commit()?;
                 results.push(Ok(Insert::Stored(stored)));
@@ -233,6 +236,7 @@ fn insert_one(
     conn: &Connection,
     message: &NewMessage,
     now_ms: i64,
+    copy: bool,
 ) -> rusqlite::Result<StoredMessage> {
     let seq: i64 = conn
         .prepare_cached(
@@ -242,8 +246,10 @@ fn insert_one(
         )?
         .query_row(params![message.conversation.as_str()], |row| row.get(0))?;
     conn.prepare_cached(
-        "INSERT INTO messages (sender, client_msg_id, conversation, seq, body, stored_at_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+        "INSERT INTO messages (sender, client_msg_id, conversation, seq, body, stored_at_ms, copy)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, CASE WHEN ?7 THEN
+             (SELECT COALESCE(MAX(copy), -1) + 1 FROM messages WHERE sender = ?1 AND client_msg_id = ?2)
+         ELSE 0 END)",
     )?
     .execute(params![
         message.key.sender.as_str(),
@@ -252,6 +258,7 @@ fn insert_one(
         seq,
         message.body.as_str(),
         now_ms,
+        copy,
     ])?;
     Ok(StoredMessage {
         key: message.key.clone(),
@@ -275,7 +282,7 @@ fn is_unique_violation(e: &rusqlite::Error) -> bool {
 
 fn select_by_key(conn: &Connection, key: &MessageKey) -> rusqlite::Result<Option<StoredMessage>> {
     conn.prepare_cached(&format!(
-        "SELECT {COLUMNS} FROM messages WHERE sender = ?1 AND client_msg_id = ?2"
+        "SELECT {COLUMNS} FROM messages WHERE sender = ?1 AND client_msg_id = ?2 AND copy = 0"
     ))?
     .query_row(
         params![key.sender.as_str(), key.client_msg_id.as_bytes()],
@@ -316,12 +323,34 @@ impl MessageStore for SqliteStore {
     async fn insert_once(&self, message: NewMessage) -> Result<Insert, Error> {
         let (reply, answer) = oneshot::channel();
         self.writer
-            .send(WriteJob { message, reply })
+            .send(WriteJob {
+                message,
+                copy: false,
+                reply,
+            })
             .await
             .map_err(|_| Error::unavailable("storage writer has stopped"))?;
         answer
             .await
             .map_err(|_| Error::unavailable("storage writer has stopped"))?
+    }
+
+    async fn insert_copy(&self, message: NewMessage) -> Result<StoredMessage, Error> {
+        let (reply, answer) = oneshot::channel();
+        self.writer
+            .send(WriteJob {
+                message,
+                copy: true,
+                reply,
+            })
+            .await
+            .map_err(|_| Error::unavailable("storage writer has stopped"))?;
+        match answer
+            .await
+            .map_err(|_| Error::unavailable("storage writer has stopped"))??
+        {
+            Insert::Stored(row) | Insert::AlreadyStored(row) => Ok(row),
+        }
     }
 
     async fn lookup(&self, key: &MessageKey) -> Result<Option<StoredMessage>, Error> {
