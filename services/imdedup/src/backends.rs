@@ -6,11 +6,29 @@ use std::{path::PathBuf, time::Duration};
 use crate::services::duration;
 use anyhow::Context;
 use clap::Args;
-use imdedup_ingest::RedisWindowOptions;
+use imdedup_cluster::Backends;
+use imdedup_ingest::{RedisWindowOptions, window::DEFAULT_CLAIM_TTL};
 use imdedup_storage::{
     ScyllaOptions,
     scylla::{parse_consistency, parse_serial_consistency},
 };
+
+/// A local cluster's backends (demo, dev): the real ones when both --redis
+/// and --scylla are given, the embedded ones when neither is.
+pub fn local_backends(
+    redis: &RedisArgs,
+    scylla: &ScyllaArgs,
+    window_ttl: Duration,
+) -> anyhow::Result<Backends> {
+    match (
+        redis.options(window_ttl, DEFAULT_CLAIM_TTL)?,
+        scylla.options_with_default_rf(1)?,
+    ) {
+        (Some(redis), Some(scylla)) => Ok(Backends::Real { redis, scylla }),
+        (None, None) => Ok(Backends::Embedded),
+        _ => anyhow::bail!("give both --redis and --scylla, or neither (embedded backends)"),
+    }
+}
 
 #[derive(Debug, Clone, Args)]
 pub struct RedisArgs {

@@ -18,9 +18,9 @@ use imdedup_core::{
     clock::ManualClock,
     model::{ClientMsgId, MessageKey, Sender},
 };
-use imdedup_ingest::{MemoryWindowOptions, RedisWindow, window::DEFAULT_CLAIM_TTL};
+use imdedup_ingest::{MemoryWindowOptions, RedisWindow};
 
-use crate::backends::{RedisArgs, ScyllaArgs};
+use crate::backends::{RedisArgs, ScyllaArgs, local_backends};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 const BODIES: [&str; 8] = [
@@ -222,19 +222,12 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         ttl: args.window_ttl,
         ..MemoryWindowOptions::default()
     };
-    let redis = args.redis.options(args.window_ttl, DEFAULT_CLAIM_TTL)?;
-    let scylla = args.scylla.options_with_default_rf(1)?;
-    let real = match (&redis, &scylla) {
-        (Some(redis), Some(scylla)) => {
-            options.backends = Backends::Real {
-                redis: redis.clone(),
-                scylla: scylla.clone(),
-            };
-            true
-        }
-        (None, None) => false,
-        _ => bail!("give both --redis and --scylla, or neither (embedded backends)"),
+    options.backends = local_backends(&args.redis, &args.scylla, args.window_ttl)?;
+    let redis = match &options.backends {
+        Backends::Real { redis, .. } => Some(redis.clone()),
+        Backends::Embedded => None,
     };
+    let real = redis.is_some();
     options.dedup_off = args.no_dedup;
     let cluster = LocalCluster::start(options).await?;
     // A database that outlives the run gets a conversation of this run's own.

@@ -3,13 +3,12 @@
 
 use std::{net::SocketAddr, path::PathBuf, sync::Arc};
 
-use anyhow::bail;
 use clap::Args;
 use imdedup_cluster::{Backends, ClusterOptions, DEV_TOKEN_SECRET, LocalCluster};
 use imdedup_core::clock::SystemClock;
-use imdedup_ingest::{MemoryWindowOptions, window::DEFAULT_CLAIM_TTL};
+use imdedup_ingest::MemoryWindowOptions;
 
-use crate::backends::{RedisArgs, ScyllaArgs};
+use crate::backends::{RedisArgs, ScyllaArgs, local_backends};
 
 #[derive(Debug, Args)]
 pub struct DevArgs {
@@ -45,16 +44,12 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         ttl: args.window_ttl,
         ..MemoryWindowOptions::default()
     };
-    let redis = args.redis.options(args.window_ttl, DEFAULT_CLAIM_TTL)?;
-    let scylla = args.scylla.options_with_default_rf(1)?;
-    let backends = match (redis, scylla) {
-        (Some(redis), Some(scylla)) => {
-            let described = format!("Redis {:?}, ScyllaDB {:?}", redis.urls, scylla.nodes);
-            options.backends = Backends::Real { redis, scylla };
-            described
+    options.backends = local_backends(&args.redis, &args.scylla, args.window_ttl)?;
+    let backends = match &options.backends {
+        Backends::Real { redis, scylla } => {
+            format!("Redis {:?}, ScyllaDB {:?}", redis.urls, scylla.nodes)
         }
-        (None, None) => format!("embedded backends, data in {}", args.data_dir.display()),
-        _ => bail!("give both --redis and --scylla, or neither (embedded backends)"),
+        Backends::Embedded => format!("embedded backends, data in {}", args.data_dir.display()),
     };
     options.dedup_off = args.no_dedup;
     let cluster = LocalCluster::start(options).await?;
