@@ -19,6 +19,10 @@ enum Scenario {
     Book(Common),
     /// Rated load with realistic loss, for the given duration.
     Steady(Common),
+    /// Every phone's outbox goes out once and every ACK is lost; then all
+    /// phones reconnect at once and resend their outboxes, jittered over
+    /// --storm-window.
+    Storm(Common),
 }
 
 #[derive(Args)]
@@ -87,6 +91,9 @@ struct Common {
     /// Write the report as JSON here too.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Storm only: the window over which reconnected phones resend.
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    storm_window: Duration,
     /// Write a self-contained HTML report with plots here.
     #[arg(long)]
     html: Option<PathBuf>,
@@ -108,7 +115,9 @@ async fn main() -> anyhow::Result<()> {
     let (name, book, args) = match cli.scenario {
         Scenario::Book(args) => ("book", true, args),
         Scenario::Steady(args) => ("steady", false, args),
+        Scenario::Storm(args) => ("storm", false, args),
     };
+    let storm = name == "storm";
     let target = match (&args.url, args.embedded) {
         (Some(url), false) => Target::Gateway {
             url: url.clone(),
@@ -121,17 +130,30 @@ async fn main() -> anyhow::Result<()> {
         },
         _ => anyhow::bail!("give --embedded or --url"),
     };
-    let rate = args.rate.unwrap_or(if book { 2000.0 } else { 13_900.0 });
-    let loss = if book { 0.1 } else { 0.001 };
-    let time_scale = args.time_scale.unwrap_or(if book { 0.01 } else { 1.0 });
+    let rate = args.rate.unwrap_or(match name {
+        "book" => 2000.0,
+        "storm" => 5000.0,
+        _ => 13_900.0,
+    });
+    let loss = match name {
+        "book" => 0.1,
+        "storm" => 0.01,
+        _ => 0.001,
+    };
+    let time_scale = args.time_scale.unwrap_or(match name {
+        "book" => 0.01,
+        "storm" => 0.1,
+        _ => 1.0,
+    });
     let embedded = matches!(target, Target::Embedded { .. });
     let config = LoadConfig {
         scenario: name.to_owned(),
         target,
-        messages: args.messages.unwrap_or(if book {
-            10_000
-        } else {
-            (rate * args.duration.as_secs_f64()) as u64
+        messages: args.messages.unwrap_or(match name {
+            "book" => 10_000,
+            // Ten messages in every phone's outbox.
+            "storm" => args.users as u64 * 10,
+            _ => (rate * args.duration.as_secs_f64()) as u64,
         }),
         rate,
         ramp: args.ramp,
@@ -155,6 +177,11 @@ async fn main() -> anyhow::Result<()> {
             }),
         seed: args.seed,
         dedup_off: args.no_dedup,
+        storm_window: if storm {
+            args.storm_window
+        } else {
+            Duration::ZERO
+        },
         progress: !args.quiet,
     };
     let outcome = run(config).await?;

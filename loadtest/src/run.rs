@@ -62,6 +62,11 @@ pub struct LoadConfig {
     /// Run the embedded cluster with dedup off, to measure the repeats it
     /// prevents (the book's comparison).
     pub dedup_off: bool,
+    /// Storm: when non-zero, every message is first sent once and its ACK
+    /// lost (the connections drop); then all phones reconnect at once and
+    /// resend their whole outbox, each message at a random moment within
+    /// this window, on the resend schedule.
+    pub storm_window: Duration,
     /// Print a progress line every second.
     pub progress: bool,
 }
@@ -88,6 +93,38 @@ struct Planned {
     offsets: Vec<Duration>,
     fates: Vec<Fate>,
     concurrent_copy: bool,
+}
+
+/// Connect every phone at once (and a second connection each, if asked).
+async fn connect_all(
+    url: &str,
+    tokens: &[String],
+    second: bool,
+) -> anyhow::Result<Vec<(Client, Option<Client>)>> {
+    let mut connecting = tokio::task::JoinSet::new();
+    for (u, token) in tokens.iter().enumerate() {
+        let (url, token) = (url.to_owned(), token.clone());
+        connecting.spawn(async move {
+            let connect = || async {
+                Client::connect(&url, &token, Encoding::Json)
+                    .await
+                    .with_context(|| format!("cannot connect phone {u} to {url}"))
+            };
+            let first = connect().await?;
+            let other = if second { Some(connect().await?) } else { None };
+            anyhow::Ok((u, (first, other)))
+        });
+    }
+    let mut phones: Vec<Option<(Client, Option<Client>)>> =
+        (0..tokens.len()).map(|_| None).collect();
+    while let Some(done) = connecting.join_next().await {
+        let (u, phone) = done??;
+        phones[u] = Some(phone);
+    }
+    phones
+        .into_iter()
+        .map(|p| p.ok_or_else(|| anyhow::anyhow!("a phone did not connect")))
+        .collect()
 }
 
 /// When message `n` is due: a linear ramp up to `rate` over `ramp`, then
@@ -158,18 +195,10 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
     };
 
     let second = config.concurrent_copies > 0.0;
-    let mut phones = Vec::with_capacity(config.users);
-    for u in 0..config.users {
-        let connect = || async {
-            Client::connect(&url, &token(u)?, Encoding::Json)
-                .await
-                .with_context(|| format!("cannot connect phone {u} to {url}"))
-        };
-        let first = connect().await?;
-        let other = if second { Some(connect().await?) } else { None };
-        phones.push((first, other));
-    }
-    let phones = Arc::new(phones);
+    let tokens: Vec<String> = (0..config.users)
+        .map(token)
+        .collect::<anyhow::Result<_>>()?;
+    let phones = Arc::new(connect_all(&url, &tokens, second).await?);
 
     let mut rng = StdRng::seed_from_u64(config.seed);
     let plan: Vec<Planned> = (0..config.messages)
@@ -234,10 +263,48 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
 
     let traces: Arc<Mutex<Vec<Option<Trace>>>> = Arc::new(Mutex::new(vec![None; plan.len()]));
     let plan = Arc::new(plan);
+    let mut dues: Vec<Duration> = (0..plan.len() as u64)
+        .map(|n| due_after(n, config.rate, config.ramp))
+        .collect();
+    let mut storm_acks = vec![Vec::new(); plan.len()];
+    let phones = if config.storm_window > Duration::ZERO {
+        // Every message reaches the server once, and every ACK is lost: the
+        // connections drop.
+        let started = Instant::now();
+        let mut first_copies = tokio::task::JoinSet::new();
+        for (index, due) in dues.iter().enumerate() {
+            tokio::time::sleep_until(started + *due).await;
+            let (phones, plan, body) = (Arc::clone(&phones), Arc::clone(&plan), Arc::clone(&body));
+            first_copies.spawn(async move {
+                let message = &plan[index];
+                let ack = phones[message.sender]
+                    .0
+                    .send(message.id.as_bytes(), &message.conversation, &body)
+                    .await;
+                (index, ack.ok().and_then(Result::ok))
+            });
+        }
+        while let Some(done) = first_copies.join_next().await {
+            let (index, ack) = done?;
+            storm_acks[index].extend(ack);
+        }
+        drop(phones);
+        // Everyone reconnects at once and resends the whole outbox.
+        let window = config.storm_window.as_secs_f64();
+        dues = (0..plan.len())
+            .map(|_| Duration::from_secs_f64(rng.random_range(0.0..window)))
+            .collect();
+        Arc::new(connect_all(&url, &tokens, second).await?)
+    } else {
+        phones
+    };
+    let mut order: Vec<usize> = (0..plan.len()).collect();
+    order.sort_by_key(|&i| dues[i]);
+
     let started = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
-    for index in 0..plan.len() {
-        let due = started + due_after(index as u64, config.rate, config.ramp);
+    for index in order {
+        let due = started + dues[index];
         tokio::time::sleep_until(due).await;
         progress.due.fetch_add(1, Ordering::Relaxed);
         let (phones, plan, body, traces, progress) = (
@@ -303,6 +370,9 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
             .into_iter()
             .map(Option::unwrap_or_default)
             .collect();
+    for (trace, acks) in traces.iter_mut().zip(storm_acks) {
+        trace.server_acks.splice(0..0, acks);
+    }
 
     // The app was killed and resends from its outbox an hour later.
     let mut late_caught = 0;

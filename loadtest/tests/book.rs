@@ -26,6 +26,7 @@ fn book(messages: u64) -> LoadConfig {
         late_resends: 50,
         seed: 4,
         dedup_off: false,
+        storm_window: Duration::ZERO,
         progress: false,
     }
 }
@@ -88,6 +89,29 @@ async fn without_dedup_receivers_see_about_one_repeat_per_ten_messages() {
     assert!(!audit.passed(), "repeats fail the audit");
     assert_eq!(audit.lost, 0);
     assert_eq!(outcome.report.outcomes.duplicate_window, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconnect_storm_is_answered_from_the_window() {
+    let mut config = book(200);
+    config.scenario = "storm".into();
+    config.storm_window = Duration::from_millis(300);
+    config.loss_send = 0.01;
+    config.loss_ack = 0.01;
+    config.late_resends = 0;
+    config.concurrent_copies = 0.0;
+    let outcome = run(config).await.unwrap();
+    let report = &outcome.report;
+    assert!(outcome.audit.passed(), "{}", report.render());
+    // Every first copy was stored and its ACK lost; every resend after the
+    // reconnect is a repeat the window answers.
+    assert_eq!(report.outcomes.stored, 200, "{}", report.render());
+    assert!(
+        report.outcomes.duplicate_window >= 200,
+        "{}",
+        report.render()
+    );
+    assert_eq!(outcome.audit.stored_rows, 200);
 }
 
 #[tokio::test]
