@@ -94,38 +94,20 @@ pub fn decode(encoding: Encoding, bytes: &[u8]) -> Result<Inbound, (ReplyTo, Err
 }
 
 fn decode_json(bytes: &[u8]) -> Result<Inbound, (ReplyTo, Error)> {
-    let value: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| {
-        (
-            ReplyTo::default(),
-            Error::invalid(format!("malformed JSON: {e}")),
-        )
-    })?;
-    let to = ReplyTo {
-        id: value
-            .get("id")
-            .and_then(|v| v.as_str())
-            .map(|s| s.as_bytes().to_vec()),
-        id_b64: false,
-        reference: value.get("ref").and_then(|v| v.as_str()).map(str::to_owned),
-    };
-    match value.get("type").and_then(|t| t.as_str()) {
-        None => return Err((to, Error::invalid("frame has no \"type\""))),
-        Some("send" | "history") => {}
-        Some(other) => {
-            return Err((
-                to,
-                Error::invalid(format!(
-                    "unknown frame type {other:?}; expected \"send\" or \"history\""
-                )),
-            ));
-        }
-    }
-    let frame: ClientJson = serde_json::from_value(value)
-        .map_err(|e| (to.clone(), Error::invalid(format!("malformed frame: {e}"))))?;
+    // A well-formed frame is parsed once; only a bad one is read again, to
+    // explain what is wrong and which send it was meant to be.
+    let frame: ClientJson =
+        serde_json::from_slice(bytes).map_err(|e| explain_bad_json(bytes, &e))?;
     match frame {
         ClientJson::Send(send) => {
-            let id = json::id_from_json(send.id.as_deref(), send.id_b64.as_deref())
-                .map_err(|e| (to, Error::invalid(e)))?;
+            let id =
+                json::id_from_json(send.id.as_deref(), send.id_b64.as_deref()).map_err(|e| {
+                    let to = ReplyTo {
+                        id: send.id.as_ref().map(|s| s.as_bytes().to_vec()),
+                        ..ReplyTo::default()
+                    };
+                    (to, Error::invalid(e))
+                })?;
             Ok(Inbound::Send(SendCmd {
                 id,
                 id_b64: send.id_b64.is_some(),
@@ -140,6 +122,35 @@ fn decode_json(bytes: &[u8]) -> Result<Inbound, (ReplyTo, Error)> {
             reference: h.reference,
         })),
     }
+}
+
+/// Why a text frame is not a client frame, and the send or pull it names.
+fn explain_bad_json(bytes: &[u8], typed: &serde_json::Error) -> (ReplyTo, Error) {
+    let value: serde_json::Value = match serde_json::from_slice(bytes) {
+        Ok(value) => value,
+        Err(e) => {
+            return (
+                ReplyTo::default(),
+                Error::invalid(format!("malformed JSON: {e}")),
+            );
+        }
+    };
+    let to = ReplyTo {
+        id: value
+            .get("id")
+            .and_then(|v| v.as_str())
+            .map(|s| s.as_bytes().to_vec()),
+        id_b64: false,
+        reference: value.get("ref").and_then(|v| v.as_str()).map(str::to_owned),
+    };
+    let error = match value.get("type").and_then(|t| t.as_str()) {
+        None => Error::invalid("frame has no \"type\""),
+        Some("send" | "history") => Error::invalid(format!("malformed frame: {typed}")),
+        Some(other) => Error::invalid(format!(
+            "unknown frame type {other:?}; expected \"send\" or \"history\""
+        )),
+    };
+    (to, error)
 }
 
 fn decode_protobuf(bytes: &[u8]) -> Result<Inbound, (ReplyTo, Error)> {
