@@ -6,27 +6,48 @@ use std::{path::PathBuf, time::Duration};
 use crate::services::duration;
 use anyhow::Context;
 use clap::Args;
-use imdedup_cluster::Backends;
-use imdedup_ingest::{RedisWindowOptions, window::DEFAULT_CLAIM_TTL};
+use imdedup_cluster::{Backends, ClusterOptions};
+use imdedup_ingest::{MemoryWindowOptions, RedisWindowOptions, window::DEFAULT_CLAIM_TTL};
 use imdedup_storage::{
     ScyllaOptions,
     scylla::{parse_consistency, parse_serial_consistency},
 };
 
-/// A local cluster's backends (demo, dev): the real ones when both --redis
-/// and --scylla are given, the embedded ones when neither is.
-pub fn local_backends(
-    redis: &RedisArgs,
-    scylla: &ScyllaArgs,
-    window_ttl: Duration,
-) -> anyhow::Result<Backends> {
-    match (
-        redis.options(window_ttl, DEFAULT_CLAIM_TTL)?,
-        scylla.options_with_default_rf(1)?,
-    ) {
-        (Some(redis), Some(scylla)) => Ok(Backends::Real { redis, scylla }),
-        (None, None) => Ok(Backends::Embedded),
-        _ => anyhow::bail!("give both --redis and --scylla, or neither (embedded backends)"),
+/// The backend flags of a local cluster (`demo`, `dev`).
+#[derive(Debug, Clone, Args)]
+pub struct LocalBackendArgs {
+    /// How long the recent-ID window remembers a stored ID.
+    #[arg(long, default_value = "5m", value_parser = duration)]
+    pub window_ttl: Duration,
+    /// Switch dedup off (store whatever arrives), to see the repeats it
+    /// prevents. Local mode only.
+    #[arg(long)]
+    pub no_dedup: bool,
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    #[command(flatten)]
+    pub scylla: ScyllaArgs,
+}
+
+impl LocalBackendArgs {
+    /// Set the window, the backends and the dedup switch of `options`: the
+    /// real backends when both --redis and --scylla are given, the embedded
+    /// ones when neither is.
+    pub fn apply(&self, options: &mut ClusterOptions) -> anyhow::Result<()> {
+        options.window = MemoryWindowOptions {
+            ttl: self.window_ttl,
+            ..MemoryWindowOptions::default()
+        };
+        options.backends = match (
+            self.redis.options(self.window_ttl, DEFAULT_CLAIM_TTL)?,
+            self.scylla.options_with_default_rf(1)?,
+        ) {
+            (Some(redis), Some(scylla)) => Backends::Real { redis, scylla },
+            (None, None) => Backends::Embedded,
+            _ => anyhow::bail!("give both --redis and --scylla, or neither (embedded backends)"),
+        };
+        options.dedup_off = self.no_dedup;
+        Ok(())
     }
 }
 

@@ -18,9 +18,9 @@ use imdedup_core::{
     clock::ManualClock,
     model::{ClientMsgId, MessageKey, Sender},
 };
-use imdedup_ingest::{MemoryWindowOptions, RedisWindow};
+use imdedup_ingest::RedisWindow;
 
-use crate::backends::{RedisArgs, ScyllaArgs, local_backends};
+use crate::backends::LocalBackendArgs;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 const BODIES: [&str; 8] = [
@@ -59,20 +59,11 @@ pub struct DemoArgs {
     /// Seed of the loss draws; the same seed gives the same run.
     #[arg(long, default_value_t = DEFAULT_SEED)]
     seed: u64,
-    /// How long the recent-ID window remembers a stored ID.
-    #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
-    window_ttl: Duration,
     /// Leave out the resend of message 3 an hour later.
     #[arg(long)]
     no_late_resend: bool,
-    /// Switch dedup off (store whatever arrives), to see the repeats it
-    /// prevents. Local mode only.
-    #[arg(long)]
-    no_dedup: bool,
     #[command(flatten)]
-    redis: RedisArgs,
-    #[command(flatten)]
-    scylla: ScyllaArgs,
+    backends: LocalBackendArgs,
 }
 
 impl DemoArgs {
@@ -218,17 +209,12 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     let clock = ManualClock::new();
     let mut options = ClusterOptions::new(dir.path(), Arc::new(clock.clone()));
     options.shards = 2;
-    options.window = MemoryWindowOptions {
-        ttl: args.window_ttl,
-        ..MemoryWindowOptions::default()
-    };
-    options.backends = local_backends(&args.redis, &args.scylla, args.window_ttl)?;
+    args.backends.apply(&mut options)?;
     let redis = match &options.backends {
         Backends::Real { redis, .. } => Some(redis.clone()),
         Backends::Embedded => None,
     };
     let real = redis.is_some();
-    options.dedup_off = args.no_dedup;
     let cluster = LocalCluster::start(options).await?;
     // A database that outlives the run gets a conversation of this run's own.
     let conversation = if real {
@@ -443,7 +429,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
 
     drop((ana, ben));
     cluster.shutdown().await;
-    if args.no_dedup {
+    if args.backends.no_dedup {
         println!("\nDedup was off (--no-dedup): every copy that arrived was stored.");
         return Ok(());
     }

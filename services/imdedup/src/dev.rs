@@ -6,9 +6,8 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc};
 use clap::Args;
 use imdedup_cluster::{Backends, ClusterOptions, DEV_TOKEN_SECRET, LocalCluster};
 use imdedup_core::clock::SystemClock;
-use imdedup_ingest::MemoryWindowOptions;
 
-use crate::backends::{RedisArgs, ScyllaArgs, local_backends};
+use crate::backends::LocalBackendArgs;
 
 #[derive(Debug, Args)]
 pub struct DevArgs {
@@ -24,37 +23,24 @@ pub struct DevArgs {
     /// Users to print tokens for, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "ana,ben")]
     users: Vec<String>,
-    /// How long the recent-ID window remembers a stored ID.
-    #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
-    window_ttl: std::time::Duration,
-    /// Switch dedup off (store whatever arrives), for demonstrations.
-    #[arg(long)]
-    no_dedup: bool,
     #[command(flatten)]
-    redis: RedisArgs,
-    #[command(flatten)]
-    scylla: ScyllaArgs,
+    backends: LocalBackendArgs,
 }
 
 pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let mut options = ClusterOptions::new(&args.data_dir, Arc::new(SystemClock));
     options.gateway_addr = args.listen;
     options.shards = args.shards;
-    options.window = MemoryWindowOptions {
-        ttl: args.window_ttl,
-        ..MemoryWindowOptions::default()
-    };
-    options.backends = local_backends(&args.redis, &args.scylla, args.window_ttl)?;
+    args.backends.apply(&mut options)?;
     let backends = match &options.backends {
         Backends::Real { redis, scylla } => {
             format!("Redis {:?}, ScyllaDB {:?}", redis.urls, scylla.nodes)
         }
         Backends::Embedded => format!("embedded backends, data in {}", args.data_dir.display()),
     };
-    options.dedup_off = args.no_dedup;
     let cluster = LocalCluster::start(options).await?;
     println!("imdedup dev cluster ({backends})");
-    if args.no_dedup {
+    if args.backends.no_dedup {
         println!("  DEDUP IS OFF (--no-dedup): every copy that arrives is stored");
     }
     println!("  WebSocket   {}", cluster.gateway_url());
