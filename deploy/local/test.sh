@@ -32,3 +32,8 @@ eval "$(deploy/local/services.sh up --redis --cassandra --redis-cluster)"
 export IMDEDUP_TEST_REDIS_URL IMDEDUP_TEST_SCYLLA IMDEDUP_TEST_REDIS_CLUSTER
 
 cargo test --workspace --locked "$@"
+
+# The Grafana dashboard and the Prometheus rules, proven against a real
+# Prometheus scraping a local cluster under load (installs prometheus once).
+# `cargo test` has built target/debug/imdedup and imdedup-load already.
+IMDEDUP_PROOF_NO_BUILD=1 deploy/local/observability-proof.sh

@@ -5,6 +5,10 @@ use std::{path::PathBuf, time::Duration};
 use clap::{Args, Parser, Subcommand};
 use imdedup_loadtest::{LoadConfig, phone::ResendPolicy, run, run::Target};
 
+// Many small allocations on many threads: glibc's arenas contend under load.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(name = "imdedup-load", version, about)]
 struct Cli {

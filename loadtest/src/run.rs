@@ -11,6 +11,7 @@ use std::{
 };
 
 use anyhow::{Context, bail};
+use futures_util::StreamExt;
 use imdedup_client::{Client, Encoding};
 use imdedup_cluster::{ClusterOptions, LocalCluster};
 use imdedup_core::{
@@ -26,6 +27,9 @@ use crate::{
     phone::{Fate, Outgoing, ResendPolicy, Trace, deliver},
     report::Report,
 };
+
+/// History pulls the audit keeps in flight at once.
+const AUDIT_PULLS_IN_FLIGHT: usize = 64;
 
 /// Where the load goes.
 #[derive(Debug, Clone)]
@@ -393,14 +397,21 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
     // The receivers' view: every conversation's stored history.
     let reader = Client::connect(&url, &token(0)?, Encoding::Json).await?;
     let conversations: HashSet<&str> = plan.iter().map(|m| m.conversation.as_str()).collect();
+    let mut pulls = futures_util::stream::iter(conversations)
+        .map(|conversation| {
+            let reader = &reader;
+            async move { (conversation, reader.full_history(conversation).await) }
+        })
+        .buffer_unordered(AUDIT_PULLS_IN_FLIGHT);
     let mut histories = HashMap::new();
-    for conversation in conversations {
-        let rows = match reader.full_history(conversation).await? {
+    while let Some((conversation, pulled)) = pulls.next().await {
+        let rows = match pulled? {
             Ok(rows) => rows,
             Err(e) => bail!("history of {conversation}: {} ({})", e.code, e.message),
         };
         histories.insert(conversation.to_owned(), rows);
     }
+    drop(pulls);
     let sent: Vec<Sent> = plan
         .iter()
         .zip(traces)

@@ -121,7 +121,9 @@ impl Client {
         request
             .headers_mut()
             .insert(http::header::AUTHORIZATION, bearer);
-        let (socket, _) = match tokio_tungstenite::connect_async(request).await {
+        let (socket, _) = match // Replies to one request at a time (history pages) must not wait
+        // for Nagle's algorithm.
+        tokio_tungstenite::connect_async_with_config(request, None, true).await {
             Ok(ok) => ok,
             Err(tungstenite::Error::Http(response)) => {
                 let status = response.status().as_u16();

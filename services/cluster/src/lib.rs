@@ -3,12 +3,17 @@
 //! port, wired exactly as in production. The demo, the dev command, the load
 //! test's `--embedded` mode and the integration tests all start this.
 
+#[cfg(feature = "otlp-receiver")]
+pub mod otlp_receiver;
+
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::Context;
 use imdedup_core::window::RecentWindow;
 use imdedup_core::{
+    admin::{Readiness, serve_admin},
     clock::SharedClock,
+    metrics::{GatewayMetrics, IngestMetrics, Registry, StoreMetrics, shard_registry},
     model::{DEFAULT_MAX_BODY_BYTES, Sender},
     remote_store::RemoteStore,
     store::MessageStore,
@@ -90,9 +95,39 @@ impl Running {
     }
 }
 
+/// One service's admin HTTP server (`/metrics`, `/healthz`, `/readyz`).
+struct Admin {
+    role: String,
+    addr: SocketAddr,
+    readiness: Readiness,
+    running: Running,
+}
+
+/// Serve `registry` on a fresh loopback port, ready at once.
+async fn start_admin(role: String, registry: Registry) -> anyhow::Result<Admin> {
+    let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
+    let addr = listener.local_addr()?;
+    let readiness = Readiness::new();
+    readiness.set_ready();
+    let serving = readiness.clone();
+    let registry = Arc::new(registry);
+    let running = spawn("admin", move |stop| {
+        serve_admin(listener, registry, serving, stop)
+    });
+    Ok(Admin {
+        role,
+        addr,
+        readiness,
+        running,
+    })
+}
+
 /// A running local cluster.
 pub struct LocalCluster {
     options: ClusterOptions,
+    /// Where the storage service's store counts, kept across restarts.
+    storage_metrics: StoreMetrics,
+    admins: Vec<Admin>,
     token_key: TokenKey,
     storage_addr: SocketAddr,
     storage: Option<Running>,
@@ -129,21 +164,32 @@ impl LocalCluster {
 
         let storage_listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
         let storage_addr = storage_listener.local_addr()?;
-        let storage = Some(start_storage(&options, storage_listener).await?);
+        let mut storage_registry = Registry::default();
+        let storage_metrics = StoreMetrics::register(&mut storage_registry);
+        let storage =
+            Some(start_storage(&options, storage_listener, storage_metrics.clone()).await?);
         let storage_url = format!("http://{storage_addr}");
+        let mut admins = vec![start_admin("storage".to_owned(), storage_registry).await?];
 
         let mut ingest_addrs = Vec::new();
         let mut ingests = Vec::new();
-        for _ in 0..options.shards.max(1) {
+        for index in 0..options.shards.max(1) {
             let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
             ingest_addrs.push(listener.local_addr()?);
+            let shard_name = format!("ingest-{index}");
+            let mut registry = Registry::default();
+            let shard_metrics = shard_registry(&mut registry, &shard_name);
+            let metrics = IngestMetrics::register(shard_metrics);
             let (window, store): (Arc<dyn RecentWindow>, Arc<dyn MessageStore>) =
                 match &options.backends {
                     Backends::Embedded => (
-                        Arc::new(MemoryWindow::with_clock(
-                            options.window.clone(),
-                            Arc::clone(&options.clock),
-                        )),
+                        Arc::new(
+                            MemoryWindow::with_clock(
+                                options.window.clone(),
+                                Arc::clone(&options.clock),
+                            )
+                            .with_metrics(metrics.window.clone()),
+                        ),
                         Arc::new(RemoteStore::connect_lazy(
                             &storage_url,
                             options.storage_timeout,
@@ -152,11 +198,23 @@ impl LocalCluster {
                     // Each shard has its own window client and its own store
                     // (its own seq leases), as separate processes would.
                     Backends::Real { redis, scylla } => (
-                        Arc::new(RedisWindow::connect(redis.clone()).await?),
-                        Arc::new(ScyllaStore::open(scylla.clone()).await?),
+                        Arc::new(
+                            RedisWindow::connect(redis.clone())
+                                .await?
+                                .with_metrics(metrics.window.clone()),
+                        ),
+                        Arc::new(
+                            ScyllaStore::open(ScyllaOptions {
+                                metrics: StoreMetrics::register(shard_metrics),
+                                ..scylla.clone()
+                            })
+                            .await?,
+                        ),
                     ),
                 };
-            let mut dedup = Dedup::new(window, store, options.storage_timeout);
+            admins.push(start_admin(shard_name, registry).await?);
+            let mut dedup =
+                Dedup::new(window, store, options.storage_timeout).with_metrics(metrics);
             if options.dedup_off {
                 dedup = dedup.without_dedup_for_demonstration();
             }
@@ -171,22 +229,30 @@ impl LocalCluster {
 
         let gateway_listener = bind(options.gateway_addr).await?;
         let gateway_addr = gateway_listener.local_addr()?;
-        let gateway = Arc::new(Gateway::new(GatewayConfig {
-            shards: ingest_addrs.iter().map(|a| format!("http://{a}")).collect(),
-            storage: storage_url,
-            token_key: token_key.clone(),
-            send_timeout: options.send_timeout,
-            max_body_bytes: options.max_body_bytes,
-            max_connections: 10_000,
-            max_in_flight_per_connection: 256,
-            clock: Arc::clone(&options.clock),
-        })?);
+        let mut gateway_registry = Registry::default();
+        let gateway_metrics = GatewayMetrics::register(&mut gateway_registry);
+        let gateway = Arc::new(
+            Gateway::new(GatewayConfig {
+                shards: ingest_addrs.iter().map(|a| format!("http://{a}")).collect(),
+                storage: storage_url,
+                token_key: token_key.clone(),
+                send_timeout: options.send_timeout,
+                max_body_bytes: options.max_body_bytes,
+                max_connections: 10_000,
+                max_in_flight_per_connection: 256,
+                clock: Arc::clone(&options.clock),
+            })?
+            .with_metrics(gateway_metrics),
+        );
+        admins.push(start_admin("gateway".to_owned(), gateway_registry).await?);
         let gateway = spawn("gateway", move |stop| {
             imdedup_gateway::serve(gateway_listener, gateway, stop)
         });
 
         Ok(Self {
             options,
+            storage_metrics,
+            admins,
             token_key,
             storage_addr,
             storage,
@@ -217,6 +283,15 @@ impl LocalCluster {
     /// `http://…` URL of the storage gRPC server.
     pub fn storage_url(&self) -> String {
         format!("http://{}", self.storage_addr)
+    }
+
+    /// The admin HTTP servers (`/metrics`, `/healthz`, `/readyz`), one per
+    /// service: `storage`, `ingest-0`, `ingest-1`, …, `gateway`.
+    pub fn admin_addrs(&self) -> Vec<(String, SocketAddr)> {
+        self.admins
+            .iter()
+            .map(|admin| (admin.role.clone(), admin.addr))
+            .collect()
     }
 
     /// A token for `user`, valid for a day of the cluster's clock.
@@ -257,12 +332,17 @@ impl LocalCluster {
         self.stop_storage().await;
         // The old writer thread lets go of the file once its queue closes.
         let listener = bind(self.storage_addr).await?;
-        self.storage = Some(start_storage(&self.options, listener).await?);
+        self.storage =
+            Some(start_storage(&self.options, listener, self.storage_metrics.clone()).await?);
         Ok(())
     }
 
-    /// Stop every server, gateway first, and wait for them.
+    /// Stop every server, gateway first, and wait for them; the admin
+    /// servers report not ready from the start and stop last.
     pub async fn shutdown(self) {
+        for admin in &self.admins {
+            admin.readiness.set_draining();
+        }
         self.gateway.stop().await;
         for (ingest, _) in self.ingests {
             ingest.stop().await;
@@ -270,16 +350,30 @@ impl LocalCluster {
         if let Some(storage) = self.storage {
             storage.stop().await;
         }
+        for admin in self.admins {
+            admin.running.stop().await;
+        }
     }
 }
 
-async fn start_storage(options: &ClusterOptions, listener: TcpListener) -> anyhow::Result<Running> {
+async fn start_storage(
+    options: &ClusterOptions,
+    listener: TcpListener,
+    metrics: StoreMetrics,
+) -> anyhow::Result<Running> {
     let store: Arc<dyn MessageStore> = match &options.backends {
-        Backends::Embedded => Arc::new(
-            SqliteStore::open(&SqliteOptions::new(options.data_dir.join("messages.db")))
-                .context("cannot open the embedded database")?,
+        Backends::Embedded => {
+            let mut sqlite = SqliteOptions::new(options.data_dir.join("messages.db"));
+            sqlite.metrics = metrics;
+            Arc::new(SqliteStore::open(&sqlite).context("cannot open the embedded database")?)
+        }
+        Backends::Real { scylla, .. } => Arc::new(
+            ScyllaStore::open(ScyllaOptions {
+                metrics,
+                ..scylla.clone()
+            })
+            .await?,
         ),
-        Backends::Real { scylla, .. } => Arc::new(ScyllaStore::open(scylla.clone()).await?),
     };
     Ok(spawn("storage", move |stop| {
         imdedup_storage::serve(listener, store, stop)

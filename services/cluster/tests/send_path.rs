@@ -80,7 +80,7 @@ async fn simultaneous_copies_through_two_ingest_instances_store_one_row(kind: Ki
         client_msg_id: id.into_bytes(),
         conversation: "race".into(),
         body: "same moment".into(),
-        tag: 0,
+        ..Default::default()
     };
     for round in 0..50 {
         let id = format!("race-{round}");

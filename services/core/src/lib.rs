@@ -7,19 +7,28 @@
 //! - [`store`] and [`window`]: the two backend traits, the durable store with
 //!   its unique key and the recent-ID window in front of it;
 //! - [`remote_store`]: the storage service over gRPC, as a store;
+//! - [`batch`]: natural batching for the hops between services;
 //! - [`routing`]: which ingest shard owns a conversation;
 //! - [`token`]: the HMAC-signed tokens that name a connection's sender;
 //! - [`clock`]: time that tests can move by hand;
-//! - [`server`]: gRPC serving with health, reflection and a graceful stop.
+//! - [`server`]: gRPC serving with health, reflection and a graceful stop;
+//! - [`metrics`] and [`admin`]: the Prometheus metrics and the admin HTTP
+//!   port (`/metrics`, `/healthz`, `/readyz`).
+//! - [`telemetry`]: the log, OpenTelemetry traces, and the trace context
+//!   carried between services.
 
+pub mod admin;
+pub mod batch;
 pub mod clock;
 pub mod convert;
 pub mod error;
+pub mod metrics;
 pub mod model;
 pub mod remote_store;
 pub mod routing;
 pub mod server;
 pub mod store;
+pub mod telemetry;
 pub mod token;
 pub mod window;
 

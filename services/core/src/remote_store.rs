@@ -1,21 +1,33 @@
 //! The storage service, reached over gRPC, as a [`MessageStore`].
+//!
+//! Inserts travel in batches (`InsertBatch`, see [`crate::batch`]); lookups
+//! and history pages are single calls.
 
-use std::time::Duration;
+use std::{sync::OnceLock, time::Duration};
 
 use crate::{
-    Error, convert,
+    Error, ErrorKind,
+    batch::{BatchLimits, Batcher},
+    convert,
     model::{HistoryQuery, MessageKey, NewMessage, StoredMessage},
     store::{Insert, MessageStore},
 };
 use async_trait::async_trait;
-use imdedup_proto::v1::{self as pb, storage_service_client::StorageServiceClient};
+use imdedup_proto::v1::{
+    self as pb, insert_result, storage_service_client::StorageServiceClient,
+};
 use tonic::transport::{Channel, Endpoint};
+
+type InsertBatcher = Batcher<pb::InsertOnceRequest, pb::InsertOnceResponse>;
 
 /// A lazily connecting gRPC client of `imdedup.v1.StorageService`.
 #[derive(Clone)]
 pub struct RemoteStore {
     client: StorageServiceClient<Channel>,
     timeout: Duration,
+    limits: BatchLimits,
+    /// Started on first insert, inside the caller's runtime.
+    inserts: std::sync::Arc<OnceLock<InsertBatcher>>,
 }
 
 impl RemoteStore {
@@ -28,9 +40,30 @@ impl RemoteStore {
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(30));
         Ok(Self {
-            client: StorageServiceClient::new(endpoint.connect_lazy()),
+            client: StorageServiceClient::new(endpoint.connect_lazy())
+                .max_decoding_message_size(crate::batch::MAX_BATCH_MESSAGE_BYTES),
             timeout,
+            limits: BatchLimits::default(),
+            inserts: std::sync::Arc::default(),
         })
+    }
+
+    /// Override how inserts are batched.
+    pub fn with_batch_limits(mut self, limits: BatchLimits) -> Self {
+        self.limits = limits;
+        self.inserts = std::sync::Arc::default();
+        self
+    }
+
+    async fn insert(&self, request: pb::InsertOnceRequest) -> Result<pb::InsertOnceResponse, Error> {
+        let batcher = self.inserts.get_or_init(|| {
+            let client = self.client.clone();
+            let timeout = self.timeout;
+            Batcher::spawn(self.limits, move |inserts| {
+                insert_batch(client.clone(), timeout, inserts)
+            })
+        });
+        batcher.call(request).await
     }
 
     fn request<T>(&self, message: T) -> tonic::Request<T> {
@@ -43,12 +76,7 @@ impl RemoteStore {
 #[async_trait]
 impl MessageStore for RemoteStore {
     async fn insert_once(&self, message: NewMessage) -> Result<Insert, Error> {
-        let reply = self
-            .client
-            .clone()
-            .insert_once(self.request(pb::InsertOnceRequest::from(message)))
-            .await?
-            .into_inner();
+        let reply = self.insert(pb::InsertOnceRequest::from(message)).await?;
         let row = convert::stored_message(
             reply
                 .message
@@ -64,12 +92,7 @@ impl MessageStore for RemoteStore {
     async fn insert_copy(&self, message: NewMessage) -> Result<StoredMessage, Error> {
         let mut request = pb::InsertOnceRequest::from(message);
         request.store_copy = true;
-        let reply = self
-            .client
-            .clone()
-            .insert_once(self.request(request))
-            .await?
-            .into_inner();
+        let reply = self.insert(request).await?;
         convert::stored_message(
             reply
                 .message
@@ -100,5 +123,44 @@ impl MessageStore for RemoteStore {
             .into_iter()
             .map(convert::stored_message)
             .collect()
+    }
+}
+
+/// One `InsertBatch` call: one result per insert, in order.
+async fn insert_batch(
+    mut client: StorageServiceClient<Channel>,
+    timeout: Duration,
+    inserts: Vec<pb::InsertOnceRequest>,
+) -> Result<Vec<Result<pb::InsertOnceResponse, Error>>, Error> {
+    let mut request = tonic::Request::new(pb::InsertBatchRequest { inserts });
+    request.set_timeout(timeout);
+    let reply = tokio::time::timeout(timeout, client.insert_batch(request))
+        .await
+        .map_err(|_| {
+            Error::new(
+                ErrorKind::DeadlineExceeded,
+                format!("storage did not answer within {timeout:?}"),
+            )
+        })?
+        .map_err(hop_error)?
+        .into_inner();
+    Ok(reply
+        .results
+        .into_iter()
+        .map(|result| match result.result {
+            Some(insert_result::Result::Ok(ok)) => Ok(ok),
+            Some(insert_result::Result::Error(e)) => Err(e.into()),
+            None => Err(Error::internal("storage answered an insert with nothing")),
+        })
+        .collect())
+}
+
+/// A failed call between services. A connection that broke shows up as
+/// `Unknown` ("transport error"): for the caller that is an unreachable
+/// service, so it is `Unavailable` (retryable) rather than `Internal`.
+pub fn hop_error(status: tonic::Status) -> Error {
+    match status.code() {
+        tonic::Code::Unknown => Error::unavailable(status.message().to_owned()),
+        _ => status.into(),
     }
 }

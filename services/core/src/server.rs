@@ -1,5 +1,7 @@
 //! Serving a gRPC service the way every imdedup server does: with the gRPC
-//! health service and server reflection next to it, and a graceful stop.
+//! health service and server reflection next to it, a server span per call
+//! (continuing the caller's trace, see [`crate::telemetry`]), and a graceful
+//! stop.
 
 use std::time::Duration;
 
@@ -8,6 +10,8 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::service::Routes;
 use tonic_health::ServingStatus;
+
+use crate::telemetry::GrpcServerTraceLayer;
 
 /// Serve `routes` on `listener` until `shutdown` is cancelled, then stop
 /// taking new calls, report NOT_SERVING on the health service, and let calls
@@ -65,6 +69,7 @@ pub async fn serve_grpc(
         }
     };
     tonic::transport::Server::builder()
+        .layer(GrpcServerTraceLayer)
         .tcp_nodelay(true)
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .concurrency_limit_per_connection(max_concurrent_per_connection)

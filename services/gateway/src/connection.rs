@@ -1,13 +1,14 @@
 //! One phone connection: frames in, ACKs and pages out, several sends in
 //! flight at once.
 
-use std::sync::Arc;
+use std::{sync::Arc, time::Instant};
 
 use axum::extract::ws::{Message, WebSocket};
 use futures_util::{SinkExt, StreamExt};
 use imdedup_core::{
     Error, convert,
     model::{ConversationId, HistoryQuery, Sender},
+    routing,
 };
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
@@ -31,6 +32,7 @@ pub async fn run(
     session: Session,
     shutdown: CancellationToken,
 ) {
+    let _open = gateway.metrics().connection_opened();
     let (mut sink, mut stream) = socket.split();
     let (out, mut outgoing) =
         mpsc::channel::<Message>(gateway.config.max_in_flight_per_connection * 2);
@@ -60,6 +62,7 @@ pub async fn run(
                 break;
             }
         };
+        let read_at = Instant::now();
         if gateway.config.clock.unix_seconds() >= session.expires_at_unix {
             let reply = frames::encode(
                 encoding,
@@ -68,12 +71,22 @@ pub async fn run(
                     error: Error::unauthenticated("token has expired; reconnect with a new one"),
                 },
             );
+            gateway.metrics().send_answered(
+                Err(imdedup_core::ErrorKind::Unauthenticated),
+                read_at.elapsed(),
+            );
             let _ = out.send(message(reply)).await;
             break;
         }
         let inbound = match frames::decode(encoding, &bytes) {
             Ok(inbound) => inbound,
             Err((to, error)) => {
+                // A malformed send (not a pull) is a send answered with an error.
+                if to.reference.is_none() {
+                    gateway
+                        .metrics()
+                        .send_answered(Err(error.kind()), read_at.elapsed());
+                }
                 let _ = out
                     .send(message(frames::encode(
                         encoding,
@@ -91,11 +104,28 @@ pub async fn run(
         let sender = session.sender.clone();
         let out = out.clone();
         tasks.spawn(async move {
-            let reply = match inbound {
-                Inbound::Send(cmd) => send(&gateway, sender, cmd).await,
-                Inbound::History(cmd) => history(&gateway, cmd).await,
-            };
-            let _ = out.send(message(frames::encode(encoding, reply))).await;
+            match inbound {
+                Inbound::Send(cmd) => {
+                    let in_flight = gateway.metrics().send_started();
+                    let reply = send(&gateway, sender, cmd).await;
+                    let result = match &reply {
+                        Outbound::Ack { ack, .. } => Ok(ack.outcome),
+                        Outbound::Error { error, .. } => Err(error.kind()),
+                        Outbound::History { .. } => Err(imdedup_core::ErrorKind::Internal),
+                    };
+                    let reply = message(frames::encode(encoding, reply));
+                    // Counted as answered once the reply is ready to go: the
+                    // queue to the socket never holds more than the in-flight
+                    // limit, so enqueueing does not wait.
+                    drop(in_flight);
+                    gateway.metrics().send_answered(result, read_at.elapsed());
+                    let _ = out.send(reply).await;
+                }
+                Inbound::History(cmd) => {
+                    let reply = history(&gateway, cmd).await;
+                    let _ = out.send(message(frames::encode(encoding, reply))).await;
+                }
+            }
             drop(permit);
         });
     }
@@ -112,6 +142,20 @@ fn message(encoded: Encoded) -> Message {
     }
 }
 
+/// One send is one trace, and this span is its root: the phone carries no
+/// trace context. Kind server (the gateway answers the phone); the hops to
+/// ingest and storage continue it (see `imdedup_core::telemetry`).
+#[tracing::instrument(
+    name = "imdedup.send",
+    skip_all,
+    fields(
+        otel.kind = "server",
+        otel.status_code = tracing::field::Empty,
+        network.protocol.name = "websocket",
+        imdedup.outcome = tracing::field::Empty,
+        error.type = tracing::field::Empty,
+    )
+)]
 async fn send(gateway: &Gateway, sender: Sender, cmd: SendCmd) -> Outbound {
     let to = ReplyTo::send(&cmd);
     let id_b64 = cmd.id_b64;
@@ -124,17 +168,32 @@ async fn send(gateway: &Gateway, sender: Sender, cmd: SendCmd) -> Outbound {
     );
     let result = match validated {
         Ok(message) => {
-            gateway
+            let shard = routing::owner(gateway.shards.urls(), &message.conversation)
+                .and_then(|index| gateway.shards.urls().get(index))
+                .cloned();
+            let result = gateway
                 .shards
                 .send(message, gateway.config.send_timeout)
-                .await
+                .await;
+            if let Some(shard) = shard {
+                gateway
+                    .metrics()
+                    .shard_replied(&shard, result.as_ref().map(|_| ()).map_err(Error::kind));
+            }
+            result
         }
         Err(e) => Err(e),
     };
+    let span = tracing::Span::current();
     match result {
-        Ok(ack) => Outbound::Ack { ack, id_b64 },
+        Ok(ack) => {
+            span.record("imdedup.outcome", ack.outcome.as_str());
+            Outbound::Ack { ack, id_b64 }
+        }
         Err(error) => {
+            span.record("error.type", error.kind().as_str());
             if error.retryable() {
+                span.record("otel.status_code", "ERROR");
                 tracing::warn!(error = %error, "send failed");
             }
             Outbound::Error { to, error }

@@ -9,6 +9,7 @@ pub mod shards;
 use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use axum::{
+    serve::ListenerExt,
     Json, Router,
     extract::{Query, State, WebSocketUpgrade},
     http::{HeaderMap, StatusCode, header},
@@ -18,6 +19,7 @@ use axum::{
 use imdedup_core::{
     Error,
     clock::SharedClock,
+    metrics::GatewayMetrics,
     model::{HistoryQuery, StoredMessage},
     remote_store::RemoteStore,
     store::MessageStore,
@@ -54,16 +56,29 @@ pub struct Gateway {
     pub shards: Shards,
     storage: RemoteStore,
     connections: Arc<Semaphore>,
+    metrics: GatewayMetrics,
 }
 
 impl Gateway {
     pub fn new(config: GatewayConfig) -> Result<Self, Error> {
         Ok(Self {
-            shards: Shards::connect_lazy(&config.shards)?,
+            shards: Shards::connect_lazy(&config.shards, config.send_timeout)?,
             storage: RemoteStore::connect_lazy(&config.storage, config.send_timeout)?,
             connections: Arc::new(Semaphore::new(config.max_connections)),
+            metrics: GatewayMetrics::default(),
             config,
         })
+    }
+
+    /// Record into `metrics` (by default they are counted but registered
+    /// nowhere).
+    pub fn with_metrics(mut self, metrics: GatewayMetrics) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
+    pub fn metrics(&self) -> &GatewayMetrics {
+        &self.metrics
     }
 
     pub async fn history(&self, query: &HistoryQuery) -> Result<Vec<StoredMessage>, Error> {
@@ -185,6 +200,12 @@ pub async fn serve(
         gateway,
         tracker: tracker.clone(),
         shutdown: shutdown.clone(),
+    });
+    // ACKs are small and latency-bound: never hold them for Nagle.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+        }
     });
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown.cancelled_owned())

@@ -3,23 +3,32 @@
 use std::time::Duration;
 
 use imdedup_core::{
-    Error, ErrorKind, convert,
+    Error, ErrorKind,
+    batch::{BatchLimits, Batcher, MAX_BATCH_MESSAGE_BYTES},
+    convert,
     model::{Ack, ConversationId, NewMessage},
+    remote_store::hop_error,
     routing,
 };
 use imdedup_proto::v1::{self as pb, ingest_service_client::IngestServiceClient, send_response};
 use tonic::transport::{Channel, Endpoint};
 
-/// The configured ingest shards, each with a lazily connecting client.
+type SendBatcher = Batcher<pb::SendRequest, pb::SendResponse>;
+
+/// The configured ingest shards, each with a lazily connecting client. Sends
+/// to one shard travel in batches (`SendBatch`, see
+/// [`imdedup_core::batch`]).
 #[derive(Clone)]
 pub struct Shards {
     urls: Vec<String>,
-    clients: Vec<IngestServiceClient<Channel>>,
+    batchers: Vec<SendBatcher>,
 }
 
 impl Shards {
     /// Clients for `urls` (`http://host:port`); none connects until used.
-    pub fn connect_lazy(urls: &[String]) -> Result<Self, Error> {
+    /// A batch gets `timeout` as its deadline. Must be called inside a Tokio
+    /// runtime.
+    pub fn connect_lazy(urls: &[String], timeout: Duration) -> Result<Self, Error> {
         if urls.is_empty() {
             return Err(Error::invalid("the ingest shard list is empty"));
         }
@@ -31,12 +40,16 @@ impl Shards {
                     .connect_timeout(Duration::from_secs(2))
                     .tcp_nodelay(true)
                     .http2_keep_alive_interval(Duration::from_secs(30));
-                Ok(IngestServiceClient::new(endpoint.connect_lazy()))
+                let client = IngestServiceClient::new(endpoint.connect_lazy())
+                    .max_decoding_message_size(MAX_BATCH_MESSAGE_BYTES);
+                Ok(Batcher::spawn(BatchLimits::default(), move |sends| {
+                    send_batch(client.clone(), timeout, sends)
+                }))
             })
             .collect::<Result<_, Error>>()?;
         Ok(Self {
             urls: urls.to_vec(),
-            clients,
+            batchers: clients,
         })
     }
 
@@ -48,24 +61,21 @@ impl Shards {
     /// `timeout`.
     pub async fn send(&self, message: NewMessage, timeout: Duration) -> Result<Ack, Error> {
         let index = self.owner(&message.conversation);
-        let mut request = tonic::Request::new(pb::SendRequest {
+        let request = pb::SendRequest {
             sender: message.key.sender.as_str().to_owned(),
             client_msg_id: message.key.client_msg_id.into_bytes(),
             conversation: message.conversation.as_str().to_owned(),
             body: message.body.into_string(),
-            tag: 0,
-        });
-        request.set_timeout(timeout);
-        let mut client = self.clients[index].clone();
-        let response = tokio::time::timeout(timeout, client.send(request))
+            ..Default::default()
+        };
+        let response = tokio::time::timeout(timeout, self.batchers[index].call(request))
             .await
             .map_err(|_| {
                 Error::new(
                     ErrorKind::DeadlineExceeded,
                     format!("ingest shard did not answer within {timeout:?}"),
                 )
-            })??
-            .into_inner();
+            })??;
         match response.result {
             Some(send_response::Result::Ack(ack)) => convert::ack(ack),
             Some(send_response::Result::Error(e)) => Err(e.into()),
@@ -79,4 +89,25 @@ impl Shards {
         // `connect_lazy` refuses an empty list, so there is always an owner.
         routing::owner(&self.urls, conversation).unwrap_or(0)
     }
+}
+
+/// One `SendBatch` call: one response per send, in order.
+async fn send_batch(
+    mut client: IngestServiceClient<Channel>,
+    timeout: Duration,
+    sends: Vec<pb::SendRequest>,
+) -> Result<Vec<Result<pb::SendResponse, Error>>, Error> {
+    let mut request = tonic::Request::new(pb::SendBatchRequest { sends });
+    request.set_timeout(timeout);
+    let reply = tokio::time::timeout(timeout, client.send_batch(request))
+        .await
+        .map_err(|_| {
+            Error::new(
+                ErrorKind::DeadlineExceeded,
+                format!("ingest shard did not answer within {timeout:?}"),
+            )
+        })?
+        .map_err(hop_error)?
+        .into_inner();
+    Ok(reply.results.into_iter().map(Ok).collect())
 }

@@ -46,6 +46,9 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     println!("  WebSocket   {}", cluster.gateway_url());
     println!("  ingest gRPC {}", cluster.ingest_urls().join(" "));
     println!("  storage gRPC {}", cluster.storage_url());
+    for (role, addr) in cluster.admin_addrs() {
+        println!("  admin {role:<9} http://{addr}/metrics (and /healthz, /readyz)");
+    }
     println!("  token secret {DEV_TOKEN_SECRET:?} (dev only)");
     for user in &args.users {
         println!("  token for {user}: {}", cluster.token(user)?);

@@ -8,7 +8,11 @@ mod services;
 mod shutdown;
 
 use clap::{Parser, Subcommand};
-use tracing_subscriber::EnvFilter;
+use imdedup_core::telemetry;
+
+// Many small allocations on many threads: glibc's arenas contend under load.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// imdedup: the send path of an IM backend that never loses a message and
 /// never stores one twice.
@@ -39,42 +43,41 @@ enum Command {
     Token(services::TokenArgs),
 }
 
-fn init_tracing(default: &str) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+impl Command {
+    /// The default `service.name` of the process's traces (`OTEL_SERVICE_NAME`
+    /// wins) and the default log filter (`RUST_LOG` wins). The demo and dev
+    /// run every service in one process, with one tracer: `imdedup`.
+    fn telemetry_defaults(&self) -> Option<(&'static str, &'static str)> {
+        match self {
+            Command::Demo(_) => Some(("imdedup", "warn")),
+            Command::Dev(_) => Some(("imdedup", "info")),
+            Command::Storage(_) => Some(("imdedup-storage", "info")),
+            Command::Ingest(_) => Some(("imdedup-ingest", "info")),
+            Command::Gateway(_) => Some(("imdedup-gateway", "info")),
+            Command::Migrate(_) => Some(("imdedup-migrate", "warn")),
+            Command::Token(_) => None,
+        }
+    }
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    match cli.command {
-        Command::Demo(args) => {
-            init_tracing("warn");
-            demo::run(args).await
-        }
-        Command::Dev(args) => {
-            init_tracing("info");
-            dev::run(args).await
-        }
-        Command::Storage(args) => {
-            init_tracing("info");
-            services::storage(args).await
-        }
-        Command::Ingest(args) => {
-            init_tracing("info");
-            services::ingest(args).await
-        }
-        Command::Gateway(args) => {
-            init_tracing("info");
-            services::gateway(args).await
-        }
-        Command::Migrate(args) => {
-            init_tracing("warn");
-            services::migrate(args).await
-        }
+    let telemetry = match cli.command.telemetry_defaults() {
+        Some((service, filter)) => Some(telemetry::init(service, filter)?),
+        None => None,
+    };
+    let result = match cli.command {
+        Command::Demo(args) => demo::run(args).await,
+        Command::Dev(args) => dev::run(args).await,
+        Command::Storage(args) => services::storage(args).await,
+        Command::Ingest(args) => services::ingest(args).await,
+        Command::Gateway(args) => services::gateway(args).await,
+        Command::Migrate(args) => services::migrate(args).await,
         Command::Token(args) => services::token(args),
+    };
+    if let Some(telemetry) = telemetry {
+        telemetry.shutdown().await;
     }
+    result
 }

@@ -6,7 +6,9 @@ use anyhow::Context;
 use clap::Args;
 use imdedup_core::window::RecentWindow;
 use imdedup_core::{
+    admin::{Readiness, serve_admin},
     clock::{Clock, SystemClock},
+    metrics::{GatewayMetrics, IngestMetrics, Registry, StoreMetrics, shard_registry},
     model::{DEFAULT_MAX_BODY_BYTES, Sender},
     remote_store::RemoteStore,
     store::MessageStore,
@@ -20,6 +22,7 @@ use crate::backends::{RedisArgs, ScyllaArgs};
 use tokio::net::TcpListener;
 
 use crate::shutdown::serve_until_signal;
+use tokio_util::sync::CancellationToken;
 
 /// Parse a flag's duration: `750ms`, `5s`, `5m`, `1h`.
 pub fn duration(raw: &str) -> Result<Duration, humantime::DurationError> {
@@ -31,6 +34,9 @@ pub struct StorageArgs {
     /// Address of the gRPC server.
     #[arg(long, env = "IMDEDUP_STORAGE_LISTEN", default_value = "127.0.0.1:7300")]
     pub listen: SocketAddr,
+    /// Address of the admin HTTP server: /metrics, /healthz, /readyz.
+    #[arg(long, env = "IMDEDUP_ADMIN_LISTEN", default_value = "127.0.0.1:9300")]
+    pub admin_listen: SocketAddr,
     /// Directory of the embedded database (messages.db).
     #[arg(long, env = "IMDEDUP_DATA_DIR", default_value = "imdedup-data")]
     pub data_dir: PathBuf,
@@ -55,6 +61,14 @@ pub struct IngestArgs {
     /// Address of the gRPC server.
     #[arg(long, env = "IMDEDUP_INGEST_LISTEN", default_value = "127.0.0.1:7200")]
     pub listen: SocketAddr,
+    /// Address of the admin HTTP server: /metrics, /healthz, /readyz.
+    #[arg(long, env = "IMDEDUP_ADMIN_LISTEN", default_value = "127.0.0.1:9200")]
+    pub admin_listen: SocketAddr,
+    /// This shard's name, the `shard` label of its metrics (default: the
+    /// HOSTNAME variable, else the system hostname, else "ingest-0"; a
+    /// StatefulSet pod name such as imdedup-ingest-0).
+    #[arg(long, env = "IMDEDUP_SHARD_NAME")]
+    pub shard_name: Option<String>,
     /// URL of the storage service.
     #[arg(
         long,
@@ -99,6 +113,9 @@ pub struct GatewayArgs {
     /// Address of the WebSocket server.
     #[arg(long, env = "IMDEDUP_GATEWAY_LISTEN", default_value = "127.0.0.1:7100")]
     pub listen: SocketAddr,
+    /// Address of the admin HTTP server: /metrics, /healthz, /readyz.
+    #[arg(long, env = "IMDEDUP_ADMIN_LISTEN", default_value = "127.0.0.1:9100")]
+    pub admin_listen: SocketAddr,
     /// Ingest shard URLs, comma-separated. Every gateway must have the same
     /// set, so they agree on which shard owns a conversation.
     #[arg(long, env = "IMDEDUP_SHARDS", value_delimiter = ',', required = true)]
@@ -150,24 +167,88 @@ async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
         .with_context(|| format!("cannot listen on {addr}"))
 }
 
+/// The name of this ingest shard: the flag, else `HOSTNAME`, else the
+/// system's hostname, else "ingest-0".
+fn shard_name(flag: Option<String>, hostname_var: Option<String>) -> String {
+    let system = || {
+        std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .or_else(|_| std::fs::read_to_string("/etc/hostname"))
+            .ok()
+    };
+    [flag, hostname_var]
+        .into_iter()
+        .flatten()
+        .chain(std::iter::from_fn(system).take(1))
+        .map(|name| name.trim().to_owned())
+        .find(|name| !name.is_empty())
+        .unwrap_or_else(|| "ingest-0".to_owned())
+}
+
+/// Run a service with its admin port beside it: `/readyz` turns ready when
+/// the service starts serving and 503 the moment its shutdown begins; the
+/// admin port stops after the service has stopped.
+async fn serve_with_admin<F, E>(
+    name: &str,
+    grace: Duration,
+    admin_listen: SocketAddr,
+    registry: Registry,
+    serve: impl FnOnce(CancellationToken) -> F,
+) -> anyhow::Result<()>
+where
+    F: Future<Output = Result<(), E>> + Send + 'static,
+    E: std::error::Error + Send + Sync + 'static,
+{
+    let admin_listener = bind(admin_listen).await?;
+    let readiness = Readiness::new();
+    let admin_stop = CancellationToken::new();
+    let admin = tokio::spawn(serve_admin(
+        admin_listener,
+        Arc::new(registry),
+        readiness.clone(),
+        admin_stop.clone(),
+    ));
+    tracing::info!(admin = %admin_listen, "admin serving /metrics, /healthz, /readyz");
+    let result = serve_until_signal(name, grace, move |stop| {
+        readiness.drain_on(stop.clone());
+        readiness.set_ready();
+        serve(stop)
+    })
+    .await;
+    admin_stop.cancel();
+    match admin.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "admin server stopped with an error"),
+        Err(e) => tracing::warn!(error = %e, "admin server task failed"),
+    }
+    result
+}
+
 pub async fn storage(args: StorageArgs) -> anyhow::Result<()> {
+    let mut registry = Registry::default();
+    let store_metrics = StoreMetrics::register(&mut registry);
     let store: Arc<dyn MessageStore> = match args.scylla.options()? {
-        Some(scylla) => {
+        Some(mut scylla) => {
             tracing::info!(nodes = ?scylla.nodes, keyspace = %scylla.keyspace, "storage on ScyllaDB");
+            scylla.metrics = store_metrics;
             Arc::new(ScyllaStore::open(scylla).await?)
         }
         None => {
             let mut options = SqliteOptions::new(args.data_dir.join("messages.db"));
             options.max_batch = args.max_batch;
+            options.metrics = store_metrics;
             tracing::info!(db = %options.path.display(), "storage on embedded SQLite");
             Arc::new(SqliteStore::open(&options)?)
         }
     };
     let listener = bind(args.listen).await?;
     tracing::info!(listen = %args.listen, "storage serving");
-    serve_until_signal("storage", args.grace, move |stop| {
-        imdedup_storage::serve(listener, store, stop)
-    })
+    serve_with_admin(
+        "storage",
+        args.grace,
+        args.admin_listen,
+        registry,
+        move |stop| imdedup_storage::serve(listener, store, stop),
+    )
     .await
 }
 
@@ -178,47 +259,74 @@ pub async fn ingest(args: IngestArgs) -> anyhow::Result<()> {
              (imdedup demo --no-dedup, imdedup dev --no-dedup)"
         );
     }
+    let shard = shard_name(args.shard_name.clone(), std::env::var("HOSTNAME").ok());
+    let mut registry = Registry::default();
+    let shard_metrics = shard_registry(&mut registry, &shard);
+    let metrics = IngestMetrics::register(shard_metrics);
     let store: Arc<dyn MessageStore> = match args.scylla.options()? {
-        Some(scylla) => Arc::new(ScyllaStore::open(scylla).await?),
+        Some(mut scylla) => {
+            scylla.metrics = StoreMetrics::register(shard_metrics);
+            Arc::new(ScyllaStore::open(scylla).await?)
+        }
         None => Arc::new(RemoteStore::connect_lazy(
             &args.storage,
             args.storage_timeout,
         )?),
     };
     let window: Arc<dyn RecentWindow> = match args.redis.options(args.window_ttl, args.claim_ttl)? {
-        Some(redis) => Arc::new(RedisWindow::connect(redis).await?),
-        None => Arc::new(MemoryWindow::new(MemoryWindowOptions {
-            ttl: args.window_ttl,
-            claim_ttl: args.claim_ttl,
-            max_keys: args.window_max_keys,
-        })),
+        Some(redis) => Arc::new(
+            RedisWindow::connect(redis)
+                .await?
+                .with_metrics(metrics.window.clone()),
+        ),
+        None => Arc::new(
+            MemoryWindow::new(MemoryWindowOptions {
+                ttl: args.window_ttl,
+                claim_ttl: args.claim_ttl,
+                max_keys: args.window_max_keys,
+            })
+            .with_metrics(metrics.window.clone()),
+        ),
     };
-    let dedup = Arc::new(Dedup::new(window, store, args.storage_timeout));
+    let dedup = Arc::new(Dedup::new(window, store, args.storage_timeout).with_metrics(metrics));
     let listener = bind(args.listen).await?;
-    tracing::info!(listen = %args.listen, storage = %args.storage, window_ttl = ?args.window_ttl, "ingest serving");
+    tracing::info!(listen = %args.listen, storage = %args.storage, window_ttl = ?args.window_ttl, %shard, "ingest serving");
     let max_body = args.max_body_bytes;
-    serve_until_signal("ingest", args.grace, move |stop| {
-        imdedup_ingest::serve(listener, dedup, max_body, stop)
-    })
+    serve_with_admin(
+        "ingest",
+        args.grace,
+        args.admin_listen,
+        registry,
+        move |stop| imdedup_ingest::serve(listener, dedup, max_body, stop),
+    )
     .await
 }
 
 pub async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
-    let gateway = Arc::new(Gateway::new(GatewayConfig {
-        shards: args.shards.clone(),
-        storage: args.storage,
-        token_key: TokenKey::new(args.token_secret)?,
-        send_timeout: args.send_timeout,
-        max_body_bytes: args.max_body_bytes,
-        max_connections: args.max_connections,
-        max_in_flight_per_connection: args.max_in_flight.max(1),
-        clock: Arc::new(SystemClock),
-    })?);
+    let mut registry = Registry::default();
+    let metrics = GatewayMetrics::register(&mut registry);
+    let gateway = Arc::new(
+        Gateway::new(GatewayConfig {
+            shards: args.shards.clone(),
+            storage: args.storage,
+            token_key: TokenKey::new(args.token_secret)?,
+            send_timeout: args.send_timeout,
+            max_body_bytes: args.max_body_bytes,
+            max_connections: args.max_connections,
+            max_in_flight_per_connection: args.max_in_flight.max(1),
+            clock: Arc::new(SystemClock),
+        })?
+        .with_metrics(metrics),
+    );
     let listener = bind(args.listen).await?;
     tracing::info!(listen = %args.listen, shards = ?args.shards, "gateway serving at ws://{}/v1/ws", args.listen);
-    serve_until_signal("gateway", args.grace, move |stop| {
-        imdedup_gateway::serve(listener, gateway, stop)
-    })
+    serve_with_admin(
+        "gateway",
+        args.grace,
+        args.admin_listen,
+        registry,
+        move |stop| imdedup_gateway::serve(listener, gateway, stop),
+    )
     .await
 }
 
@@ -276,6 +384,41 @@ mod tests {
         .inner;
         assert_eq!(args.shards, ["http://a:7200", "http://b:7200"]);
         assert_eq!(args.send_timeout, Duration::from_millis(750));
+    }
+
+    #[test]
+    fn admin_ports_and_the_shard_name_have_defaults() {
+        let ingest = Wrap::<IngestArgs>::try_parse_from(["ingest"])
+            .unwrap()
+            .inner;
+        assert_eq!(ingest.admin_listen, "127.0.0.1:9200".parse().unwrap());
+        let storage = Wrap::<StorageArgs>::try_parse_from(["storage"])
+            .unwrap()
+            .inner;
+        assert_eq!(storage.admin_listen, "127.0.0.1:9300".parse().unwrap());
+        let gateway = Wrap::<GatewayArgs>::try_parse_from([
+            "gateway",
+            "--shards",
+            "http://a:7200",
+            "--token-secret",
+            "0123456789abcdef",
+            "--admin-listen",
+            "0.0.0.0:9101",
+        ])
+        .unwrap()
+        .inner;
+        assert_eq!(gateway.admin_listen, "0.0.0.0:9101".parse().unwrap());
+
+        assert_eq!(
+            shard_name(Some("ingest-3".into()), Some("pod-7".into())),
+            "ingest-3"
+        );
+        assert_eq!(
+            shard_name(None, Some("imdedup-ingest-1\n".into())),
+            "imdedup-ingest-1"
+        );
+        assert!(!shard_name(None, None).is_empty());
+        assert_eq!(shard_name(Some(" ".into()), Some("pod-7".into())), "pod-7");
     }
 
     #[test]

@@ -136,6 +136,22 @@ impl Drop for Service {
     }
 }
 
+/// A plain HTTP/1.1 GET on an admin port: the status code and the body.
+fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw).unwrap();
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap();
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, body.to_owned())
+}
+
 fn wait_listening(addr: SocketAddr) {
     let deadline = Instant::now() + Duration::from_secs(10);
     while std::net::TcpStream::connect(addr).is_err() {
@@ -148,9 +164,16 @@ fn wait_listening(addr: SocketAddr) {
 fn services_run_as_separate_processes_and_stop_on_sigterm() {
     let dir = tempfile::tempdir().unwrap();
     let (storage_addr, ingest_addr, gateway_addr) = (free_addr(), free_addr(), free_addr());
+    let admins = [free_addr(), free_addr(), free_addr()];
     let secret = "process-test-secret-0123456789";
     let storage = Service::start(
-        &["storage", "--listen", &storage_addr.to_string()],
+        &[
+            "storage",
+            "--listen",
+            &storage_addr.to_string(),
+            "--admin-listen",
+            &admins[0].to_string(),
+        ],
         dir.path(),
     );
     let storage_url = format!("http://{storage_addr}");
@@ -161,6 +184,10 @@ fn services_run_as_separate_processes_and_stop_on_sigterm() {
             &ingest_addr.to_string(),
             "--storage",
             &storage_url,
+            "--admin-listen",
+            &admins[1].to_string(),
+            "--shard-name",
+            "ingest-p",
         ],
         dir.path(),
     );
@@ -175,10 +202,15 @@ fn services_run_as_separate_processes_and_stop_on_sigterm() {
             &storage_url,
             "--token-secret",
             secret,
+            "--admin-listen",
+            &admins[2].to_string(),
         ],
         dir.path(),
     );
-    for addr in [storage_addr, ingest_addr, gateway_addr] {
+    for addr in [storage_addr, ingest_addr, gateway_addr]
+        .into_iter()
+        .chain(admins)
+    {
         wait_listening(addr);
     }
 
@@ -210,6 +242,32 @@ fn services_run_as_separate_processes_and_stop_on_sigterm() {
         assert_eq!(again.outcome, "duplicate_window");
         assert_eq!(again.seq, first.seq);
     });
+
+    for admin in admins {
+        assert_eq!(http_get(admin, "/readyz"), (200, "ready".to_owned()));
+    }
+    let (status, ingest_metrics) = http_get(admins[1], "/metrics");
+    assert_eq!(status, 200);
+    for line in [
+        r#"imdedup_ingest_sends_total{shard="ingest-p",outcome="stored"} 1"#,
+        r#"imdedup_ingest_sends_total{shard="ingest-p",outcome="duplicate_window"} 1"#,
+    ] {
+        assert!(
+            ingest_metrics.lines().any(|l| l == line),
+            "{ingest_metrics}"
+        );
+    }
+    let (_, gateway_metrics) = http_get(admins[2], "/metrics");
+    assert!(
+        gateway_metrics.contains("imdedup_gateway_sends_total{outcome=\"stored\"} 1\n"),
+        "{gateway_metrics}"
+    );
+    let (_, storage_metrics) = http_get(admins[0], "/metrics");
+    assert!(
+        storage_metrics
+            .contains("imdedup_store_inserts_total{db_system=\"sqlite\",result=\"applied\"} 1\n"),
+        "{storage_metrics}"
+    );
 
     for service in [gateway, ingest, storage] {
         assert!(service.terminate().success());

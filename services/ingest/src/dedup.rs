@@ -6,11 +6,12 @@ use std::{
         Arc,
         atomic::{AtomicU64, Ordering},
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use imdedup_core::{
     Error, ErrorKind,
+    metrics::IngestMetrics,
     model::{Ack, NewMessage, Outcome, Receipt},
     store::{Insert, MessageStore},
     window::{Claim, RecentWindow},
@@ -62,6 +63,7 @@ pub struct Dedup {
     store: Arc<dyn MessageStore>,
     storage_timeout: Duration,
     stats: DedupStats,
+    metrics: IngestMetrics,
     /// Store whatever arrives (a demonstration of the problem; local only).
     dedup_off: bool,
 }
@@ -77,6 +79,7 @@ impl Dedup {
             store,
             storage_timeout,
             stats: DedupStats::default(),
+            metrics: IngestMetrics::default(),
             dedup_off: false,
         }
     }
@@ -88,29 +91,78 @@ impl Dedup {
         self
     }
 
+    /// Record into `metrics` (by default they are counted but registered
+    /// nowhere). Give the window the same `metrics.window`.
+    pub fn with_metrics(mut self, metrics: IngestMetrics) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
     pub fn stats(&self) -> &DedupStats {
         &self.stats
     }
 
+    pub fn metrics(&self) -> &IngestMetrics {
+        &self.metrics
+    }
+
     /// Store `message` once, or recognise it as a repeat; either way, return
     /// the ACK with the message's original server id and seq.
+    #[tracing::instrument(
+        name = "imdedup.dedup",
+        skip_all,
+        fields(
+            imdedup.outcome = tracing::field::Empty,
+            error.type = tracing::field::Empty,
+        )
+    )]
     pub async fn send(&self, message: NewMessage) -> Result<Ack, Error> {
+        let _in_flight = self.metrics.decision_started();
+        let started = Instant::now();
+        let result = self.decide(message).await;
+        let span = tracing::Span::current();
+        match &result {
+            Ok(ack) => span.record("imdedup.outcome", ack.outcome.as_str()),
+            Err(e) => span.record("error.type", e.kind().as_str()),
+        };
+        self.metrics.decided(
+            result.as_ref().map(|ack| ack.outcome).map_err(Error::kind),
+            started.elapsed(),
+        );
+        result
+    }
+
+    async fn decide(&self, message: NewMessage) -> Result<Ack, Error> {
         if self.dedup_off {
+            let started = Instant::now();
             let row = tokio::time::timeout(
                 self.storage_timeout,
                 self.store.insert_copy(message.clone()),
             )
             .await
-            .map_err(|_| Error::new(ErrorKind::DeadlineExceeded, "storage did not answer"))??;
+            .map_err(|_| Error::new(ErrorKind::DeadlineExceeded, "storage did not answer"))
+            .and_then(|inserted| inserted);
+            self.metrics
+                .storage_call("insert", started.elapsed(), row.is_ok());
+            let row = row?;
             bump(&self.stats.stored);
             return Ok(ack(&message, row.receipt, Outcome::Stored));
         }
         let key = message.key.clone();
         let claim = match self.window.claim(&key).await {
-            Ok(claim) => Some(claim),
+            Ok(claim) => {
+                self.metrics.window.claimed(match claim {
+                    Claim::Owned(_) => "owned",
+                    Claim::Seen(_) => "seen",
+                    Claim::InFlight => "in_flight",
+                });
+                Some(claim)
+            }
             Err(e) => {
                 // The window is only a fast path: without it the unique key
                 // still decides, so keep sending.
+                self.metrics.window.claimed("error");
+                self.metrics.window.bypassed();
                 bump(&self.stats.window_bypassed);
                 tracing::warn!(error = %e, "recent-id window unavailable, bypassing it");
                 None
@@ -162,13 +214,19 @@ impl Dedup {
     }
 
     async fn insert(&self, message: NewMessage) -> Result<Insert, Error> {
-        match tokio::time::timeout(self.storage_timeout, self.store.insert_once(message)).await {
-            Ok(result) => result,
-            Err(_) => Err(Error::new(
-                ErrorKind::DeadlineExceeded,
-                format!("storage did not answer within {:?}", self.storage_timeout),
-            )),
-        }
+        let started = Instant::now();
+        let result =
+            match tokio::time::timeout(self.storage_timeout, self.store.insert_once(message)).await
+            {
+                Ok(result) => result,
+                Err(_) => Err(Error::new(
+                    ErrorKind::DeadlineExceeded,
+                    format!("storage did not answer within {:?}", self.storage_timeout),
+                )),
+            };
+        self.metrics
+            .storage_call("insert", started.elapsed(), result.is_ok());
+        result
     }
 }
 
@@ -294,6 +352,101 @@ mod tests {
         assert_eq!(again.receipt, first.receipt);
         assert_eq!(again.outcome, Outcome::DuplicateWindow);
         assert_eq!(dedup.stats().snapshot().stored, 1);
+    }
+
+    #[tokio::test]
+    async fn decisions_show_in_the_shard_metrics() {
+        use imdedup_core::metrics::{Registry, render, shard_registry, sum_samples};
+
+        let mut registry = Registry::default();
+        let metrics = IngestMetrics::register(shard_registry(&mut registry, "ingest-7"));
+        let store = Arc::new(FlakyStore::default());
+        let window =
+            MemoryWindow::new(MemoryWindowOptions::default()).with_metrics(metrics.window.clone());
+        let dedup = Dedup::new(Arc::new(window), store.clone(), Duration::from_secs(1))
+            .with_metrics(metrics);
+
+        dedup.send(message("m1")).await.unwrap();
+        dedup.send(message("m1")).await.unwrap();
+        *store.failures_left.lock().unwrap() = 1;
+        dedup.send(message("m2")).await.unwrap_err();
+
+        let text = render(&registry);
+        let shard = ("shard", "ingest-7");
+        let value = |name: &str, labels: &[(&str, &str)]| {
+            let mut all = vec![shard];
+            all.extend_from_slice(labels);
+            sum_samples(&text, name, &all)
+        };
+        let sends = "imdedup_ingest_sends_total";
+        assert_eq!(value(sends, &[("outcome", "stored")]), Some(1.0), "{text}");
+        assert_eq!(value(sends, &[("outcome", "duplicate_window")]), Some(1.0));
+        assert_eq!(value(sends, &[("outcome", "failed")]), Some(1.0));
+        assert_eq!(
+            value(
+                "imdedup_ingest_send_errors_total",
+                &[("code", "unavailable")]
+            ),
+            Some(1.0)
+        );
+        assert_eq!(
+            value("imdedup_ingest_decision_duration_seconds_count", &[]),
+            Some(3.0)
+        );
+        assert_eq!(value("imdedup_ingest_sends_in_flight", &[]), Some(0.0));
+        assert_eq!(value("imdedup_ingest_shard_info", &[]), Some(1.0));
+        let claims = "imdedup_window_claims_total";
+        assert_eq!(value(claims, &[("result", "owned")]), Some(2.0));
+        assert_eq!(value(claims, &[("result", "seen")]), Some(1.0));
+        assert_eq!(
+            value(
+                "imdedup_window_operation_duration_seconds_count",
+                &[("operation", "claim"), ("backend", "memory")]
+            ),
+            Some(3.0)
+        );
+        assert_eq!(
+            value(
+                "imdedup_window_operation_duration_seconds_count",
+                &[("operation", "release"), ("backend", "memory")]
+            ),
+            Some(1.0),
+            "the failed insert released its claim"
+        );
+        // The window answered the repeat: the store was asked twice, not three times.
+        assert_eq!(
+            value(
+                "imdedup_storage_operation_duration_seconds_count",
+                &[("operation", "insert")]
+            ),
+            Some(2.0)
+        );
+        assert_eq!(
+            value("imdedup_storage_errors_total", &[("operation", "insert")]),
+            Some(1.0)
+        );
+        assert_eq!(value("imdedup_window_bypassed_total", &[]), Some(0.0));
+    }
+
+    #[tokio::test]
+    async fn a_window_that_is_down_counts_as_bypassed() {
+        use imdedup_core::metrics::{Registry, render, sum_samples};
+
+        let mut registry = Registry::default();
+        let metrics = IngestMetrics::register(&mut registry);
+        let store = Arc::new(FlakyStore::default());
+        let dedup =
+            Dedup::new(Arc::new(DownWindow), store, Duration::from_secs(1)).with_metrics(metrics);
+        dedup.send(message("m1")).await.unwrap();
+        let text = render(&registry);
+        assert_eq!(
+            sum_samples(&text, "imdedup_window_bypassed_total", &[]),
+            Some(1.0)
+        );
+        assert_eq!(
+            sum_samples(&text, "imdedup_window_claims_total", &[("result", "error")]),
+            Some(1.0)
+        );
     }
 
     #[tokio::test]

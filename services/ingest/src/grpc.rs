@@ -2,7 +2,7 @@
 
 use std::{pin::Pin, sync::Arc};
 
-use futures_util::{Stream, StreamExt};
+use futures_util::{Stream, StreamExt, future::join_all};
 use imdedup_core::{Error, convert};
 use imdedup_proto::v1::{
     self as pb,
@@ -17,6 +17,9 @@ use crate::dedup::Dedup;
 
 /// Most sends one `SendStream` call may have undecided at once.
 const STREAM_IN_FLIGHT: usize = 1024;
+
+/// Most sends one `SendBatch` call may carry.
+pub const MAX_BATCH: usize = 1024;
 
 pub struct IngestGrpc {
     dedup: Arc<Dedup>,
@@ -33,6 +36,7 @@ impl IngestGrpc {
 
     pub fn into_server(self) -> IngestServiceServer<Self> {
         IngestServiceServer::new(self)
+            .max_decoding_message_size(imdedup_core::batch::MAX_BATCH_MESSAGE_BYTES)
     }
 }
 
@@ -58,6 +62,34 @@ impl IngestService for IngestGrpc {
             tag,
             result: Some(send_response::Result::Ack(ack)),
         }))
+    }
+
+    async fn send_batch(
+        &self,
+        request: Request<pb::SendBatchRequest>,
+    ) -> Result<Response<pb::SendBatchResponse>, Status> {
+        let sends = request.into_inner().sends;
+        if sends.len() > MAX_BATCH {
+            return Err(Error::invalid(format!(
+                "a batch holds at most {MAX_BATCH} sends, got {}",
+                sends.len()
+            ))
+            .into());
+        }
+        // Decided concurrently; each send succeeds or fails on its own.
+        let results = join_all(sends.into_iter().map(|req| async move {
+            let tag = req.tag;
+            let result = match decide(&self.dedup, req, self.max_body_bytes).await {
+                Ok(ack) => send_response::Result::Ack(ack),
+                Err(e) => send_response::Result::Error(e.into()),
+            };
+            pb::SendResponse {
+                tag,
+                result: Some(result),
+            }
+        }))
+        .await;
+        Ok(Response::new(pb::SendBatchResponse { results }))
     }
 
     type SendStreamStream =

@@ -32,6 +32,7 @@ use std::{
 use async_trait::async_trait;
 use imdedup_core::{
     Error,
+    metrics::WindowMetrics,
     model::{MessageKey, Receipt},
     routing::stable_hash,
     window::{Claim, ClaimToken, RecentWindow},
@@ -180,7 +181,10 @@ pub struct RedisWindow {
     options: RedisWindowOptions,
     scripts: Scripts,
     breaker: Arc<Breaker>,
+    metrics: WindowMetrics,
 }
+
+const BACKEND: &str = "redis";
 
 struct Scripts {
     claim: redis::Script,
@@ -263,7 +267,14 @@ impl RedisWindow {
                 options.breaker_cooldown,
             )),
             options,
+            metrics: WindowMetrics::default(),
         })
+    }
+
+    /// Record call durations into `metrics` (the ingest's `window`).
+    pub fn with_metrics(mut self, metrics: WindowMetrics) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// Forget `key` now, as if its TTL had passed (an operator's tool, and
@@ -425,6 +436,45 @@ fn millis(d: Duration) -> u64 {
 #[async_trait]
 impl RecentWindow for RedisWindow {
     async fn claim(&self, key: &MessageKey) -> Result<Claim, Error> {
+        let started = Instant::now();
+        let result = self.claim_key(key).await;
+        self.metrics.observe("claim", BACKEND, started.elapsed());
+        result
+    }
+
+    async fn remember(
+        &self,
+        key: &MessageKey,
+        token: &ClaimToken,
+        receipt: Receipt,
+    ) -> Result<(), Error> {
+        let started = Instant::now();
+        let result = self.remember_key(key, token, receipt).await;
+        self.metrics.observe("remember", BACKEND, started.elapsed());
+        result
+    }
+
+    async fn release(&self, key: &MessageKey, token: &ClaimToken) -> Result<(), Error> {
+        let started = Instant::now();
+        let result = self.release_key(key, token).await;
+        self.metrics.observe("release", BACKEND, started.elapsed());
+        result
+    }
+}
+
+impl RedisWindow {
+    /// The claim script, and the peeks while another copy holds the claim.
+    #[tracing::instrument(
+        name = "redis.claim",
+        skip_all,
+        fields(
+            otel.name = "EVALSHA claim",
+            otel.kind = "client",
+            db.system = "redis",
+            db.operation = "EVALSHA",
+        )
+    )]
+    async fn claim_key(&self, key: &MessageKey) -> Result<Claim, Error> {
         let keys = self.keys(key);
         let token = ClaimToken(uuid::Uuid::new_v4().simple().to_string());
         let mut invocation = self.scripts.claim.prepare_invoke();
@@ -464,7 +514,7 @@ impl RecentWindow for RedisWindow {
         Ok(Claim::InFlight)
     }
 
-    async fn remember(
+    async fn remember_key(
         &self,
         key: &MessageKey,
         _token: &ClaimToken,
@@ -485,7 +535,7 @@ impl RecentWindow for RedisWindow {
             .map(|_| ())
     }
 
-    async fn release(&self, key: &MessageKey, token: &ClaimToken) -> Result<(), Error> {
+    async fn release_key(&self, key: &MessageKey, token: &ClaimToken) -> Result<(), Error> {
         let keys = self.keys(key);
         let mut invocation = self.scripts.release.prepare_invoke();
         invocation.key(&keys.pending).arg(pending_value(token));

@@ -10,6 +10,7 @@ use async_trait::async_trait;
 use imdedup_core::{
     Error,
     clock::{SharedClock, SystemClock},
+    metrics::WindowMetrics,
     model::{MessageKey, Receipt},
     window::{Claim, ClaimToken, RecentWindow},
 };
@@ -58,7 +59,10 @@ pub struct MemoryWindow {
     entries: Cache<Vec<u8>, Entry>,
     options: MemoryWindowOptions,
     clock: SharedClock,
+    metrics: WindowMetrics,
 }
+
+const BACKEND: &str = "memory";
 
 impl MemoryWindow {
     pub fn new(options: MemoryWindowOptions) -> Self {
@@ -74,13 +78,21 @@ impl MemoryWindow {
             entries,
             options,
             clock,
+            metrics: WindowMetrics::default(),
         }
+    }
+
+    /// Record call durations into `metrics` (the ingest's `window`).
+    pub fn with_metrics(mut self, metrics: WindowMetrics) -> Self {
+        self.metrics = metrics;
+        self
     }
 }
 
 #[async_trait]
 impl RecentWindow for MemoryWindow {
     async fn claim(&self, key: &MessageKey) -> Result<Claim, Error> {
+        let started = Instant::now();
         let now = self.clock.now();
         let mut claim = None;
         self.entries
@@ -103,6 +115,7 @@ impl RecentWindow for MemoryWindow {
                     })
                 }
             });
+        self.metrics.observe("claim", BACKEND, started.elapsed());
         claim.ok_or_else(|| Error::internal("window claim made no decision"))
     }
 
@@ -113,19 +126,23 @@ impl RecentWindow for MemoryWindow {
         receipt: Receipt,
     ) -> Result<(), Error> {
         // Whoever stored the row, the receipt is the same for every copy.
+        let started = Instant::now();
         let until = self.clock.now() + self.options.ttl;
         self.entries
             .insert(key.to_bytes(), Entry::Stored { receipt, until });
+        self.metrics.observe("remember", BACKEND, started.elapsed());
         Ok(())
     }
 
     async fn release(&self, key: &MessageKey, token: &ClaimToken) -> Result<(), Error> {
+        let started = Instant::now();
         self.entries
             .entry(key.to_bytes())
             .and_compute_with(|current| match current.map(|e| e.into_value()) {
                 Some(Entry::Pending { token: held, .. }) if &held == token => Op::Remove,
                 _ => Op::Nop,
             });
+        self.metrics.observe("release", BACKEND, started.elapsed());
         Ok(())
     }
 }

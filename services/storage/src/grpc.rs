@@ -2,9 +2,10 @@
 
 use std::sync::Arc;
 
-use imdedup_core::{convert, store::Insert, store::MessageStore};
+use futures_util::future::join_all;
+use imdedup_core::{Error, convert, store::Insert, store::MessageStore};
 use imdedup_proto::v1::{
-    self as pb,
+    self as pb, insert_result,
     storage_service_server::{StorageService, StorageServiceServer},
 };
 use tonic::{Request, Response, Status};
@@ -12,6 +13,9 @@ use tonic::{Request, Response, Status};
 /// Storage accepts bodies up to this size; the gateway and ingest enforce the
 /// smaller configured limit that phones see.
 pub const MAX_STORED_BODY_BYTES: usize = 1 << 20;
+
+/// Most inserts one `InsertBatch` call may carry.
+pub const MAX_BATCH: usize = 1024;
 
 /// Serves any [`MessageStore`] over gRPC.
 pub struct StorageGrpc {
@@ -24,7 +28,7 @@ impl StorageGrpc {
     }
 
     pub fn into_server(self) -> StorageServiceServer<Self> {
-        StorageServiceServer::new(self).max_decoding_message_size(2 * MAX_STORED_BODY_BYTES)
+        StorageServiceServer::new(self).max_decoding_message_size(imdedup_core::batch::MAX_BATCH_MESSAGE_BYTES)
     }
 }
 
@@ -34,24 +38,39 @@ impl StorageService for StorageGrpc {
         &self,
         request: Request<pb::InsertOnceRequest>,
     ) -> Result<Response<pb::InsertOnceResponse>, Status> {
-        let request = request.into_inner();
-        let store_copy = request.store_copy;
-        let message = convert::insert_request(request, MAX_STORED_BODY_BYTES)?;
-        if store_copy {
-            let row = self.store.insert_copy(message).await?;
-            return Ok(Response::new(pb::InsertOnceResponse {
-                inserted: true,
-                message: Some(row.into()),
-            }));
+        Ok(Response::new(
+            insert(self.store.as_ref(), request.into_inner()).await?,
+        ))
+    }
+
+    async fn insert_batch(
+        &self,
+        request: Request<pb::InsertBatchRequest>,
+    ) -> Result<Response<pb::InsertBatchResponse>, Status> {
+        let inserts = request.into_inner().inserts;
+        if inserts.len() > MAX_BATCH {
+            return Err(Error::invalid(format!(
+                "a batch holds at most {MAX_BATCH} inserts, got {}",
+                inserts.len()
+            ))
+            .into());
         }
-        let (inserted, row) = match self.store.insert_once(message).await? {
-            Insert::Stored(row) => (true, row),
-            Insert::AlreadyStored(row) => (false, row),
-        };
-        Ok(Response::new(pb::InsertOnceResponse {
-            inserted,
-            message: Some(row.into()),
-        }))
+        // Concurrently, so the store can commit them together.
+        let results = join_all(
+            inserts
+                .into_iter()
+                .map(|insert_request| insert(self.store.as_ref(), insert_request)),
+        )
+        .await
+        .into_iter()
+        .map(|result| pb::InsertResult {
+            result: Some(match result {
+                Ok(ok) => insert_result::Result::Ok(ok),
+                Err(e) => insert_result::Result::Error(e.into()),
+            }),
+        })
+        .collect();
+        Ok(Response::new(pb::InsertBatchResponse { results }))
     }
 
     async fn lookup(
@@ -78,4 +97,28 @@ impl StorageService for StorageGrpc {
             .collect();
         Ok(Response::new(pb::HistoryResponse { messages }))
     }
+}
+
+/// Store one message, as `InsertOnce` does and each item of `InsertBatch`.
+async fn insert(
+    store: &dyn MessageStore,
+    request: pb::InsertOnceRequest,
+) -> Result<pb::InsertOnceResponse, Error> {
+    let store_copy = request.store_copy;
+    let message = convert::insert_request(request, MAX_STORED_BODY_BYTES)?;
+    if store_copy {
+        let row = store.insert_copy(message).await?;
+        return Ok(pb::InsertOnceResponse {
+            inserted: true,
+            message: Some(row.into()),
+        });
+    }
+    let (inserted, row) = match store.insert_once(message).await? {
+        Insert::Stored(row) => (true, row),
+        Insert::AlreadyStored(row) => (false, row),
+    };
+    Ok(pb::InsertOnceResponse {
+        inserted,
+        message: Some(row.into()),
+    })
 }

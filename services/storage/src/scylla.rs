@@ -21,11 +21,16 @@
 //! was never ACKed; the phone resends, the LWT is not applied, and the
 //! history row is written again from the stored row (an idempotent write).
 
-use std::{collections::HashMap, sync::Arc, time::Duration};
+use std::{
+    collections::HashMap,
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use async_trait::async_trait;
 use imdedup_core::{
     Error,
+    metrics::{DB_CASSANDRA, StoreMetrics},
     model::{
         ClientMsgId, ConversationId, HistoryQuery, MessageKey, NewMessage, Receipt, Sender,
         StoredMessage,
@@ -39,6 +44,7 @@ use scylla::{
     value::{CqlValue, Row},
 };
 use tokio::sync::Mutex;
+use tracing::Instrument;
 
 /// Settings of the ScyllaDB store.
 #[derive(Debug, Clone)]
@@ -59,6 +65,8 @@ pub struct ScyllaOptions {
     pub id_block: u64,
     /// Connect with TLS, trusting the CA in this PEM file.
     pub tls_ca: Option<std::path::PathBuf>,
+    /// Where inserts, leases, errors and durations are counted.
+    pub metrics: StoreMetrics,
 }
 
 impl ScyllaOptions {
@@ -76,6 +84,7 @@ impl ScyllaOptions {
             seq_block: 100,
             id_block: 10_000,
             tls_ca: None,
+            metrics: StoreMetrics::default(),
         }
     }
 
@@ -497,6 +506,12 @@ impl Inner {
                 ),
             };
             let (applied, current) = lwt(reply.map_err(|e| db_error("lease", e))?)?;
+            let kind = if scope == "seq" {
+                "conversation"
+            } else {
+                "server_id"
+            };
+            self.options.metrics.leased(DB_CASSANDRA, kind, !applied);
             if applied {
                 tracing::debug!(scope, name, start, size, "leased a block");
                 return Ok(Block {
@@ -555,6 +570,21 @@ fn unix_millis() -> i64 {
 }
 
 impl Inner {
+    /// Count one operation that started at `started`.
+    fn record<T>(&self, operation: &'static str, started: Instant, result: &Result<T, Error>) {
+        self.options
+            .metrics
+            .operation(DB_CASSANDRA, operation, started.elapsed(), result.is_ok());
+    }
+
+    /// [`Inner::insert`], timed: counted even when the caller gave up.
+    async fn insert_counted(&self, message: NewMessage) -> Result<Insert, Error> {
+        let started = Instant::now();
+        let result = self.insert(message).await;
+        self.record("insert", started, &result);
+        result
+    }
+
     async fn insert(&self, message: NewMessage) -> Result<Insert, Error> {
         let conversation = message.conversation.as_str().to_owned();
         let slot = self.conversations.get_with(conversation.clone(), || {
@@ -595,6 +625,15 @@ impl Inner {
                     row.stored_at_ms,
                 ),
             )
+            .instrument(tracing::info_span!(
+                "cassandra.lwt",
+                otel.name = "INSERT messages_by_key",
+                otel.kind = "client",
+                db.system = "cassandra",
+                db.operation = "INSERT",
+                db.name = %self.options.keyspace,
+                db.cassandra.table = "messages_by_key",
+            ))
             .await;
         let (applied, existing) = match reply {
             Ok(reply) => lwt(reply)?,
@@ -604,6 +643,7 @@ impl Inner {
                 return Err(db_error("insert", e));
             }
         };
+        self.options.metrics.inserted(DB_CASSANDRA, applied);
         if applied {
             // Still under the lock: a reader never sees seq n+1 before n.
             self.write_history(&row).await?;
@@ -620,16 +660,8 @@ impl Inner {
     }
 }
 
-#[async_trait]
-impl MessageStore for ScyllaStore {
-    async fn insert_once(&self, message: NewMessage) -> Result<Insert, Error> {
-        let inner = Arc::clone(&self.inner);
-        tokio::spawn(async move { inner.insert(message).await })
-            .await
-            .map_err(|e| Error::internal(format!("insert task failed: {e}")))?
-    }
-
-    async fn lookup(&self, key: &MessageKey) -> Result<Option<StoredMessage>, Error> {
+impl ScyllaStore {
+    async fn lookup_uncounted(&self, key: &MessageKey) -> Result<Option<StoredMessage>, Error> {
         let result = self
             .inner
             .session
@@ -642,7 +674,7 @@ impl MessageStore for ScyllaStore {
         rows(result)?.first().map(to_message).transpose()
     }
 
-    async fn history(&self, query: &HistoryQuery) -> Result<Vec<StoredMessage>, Error> {
+    async fn history_uncounted(&self, query: &HistoryQuery) -> Result<Vec<StoredMessage>, Error> {
         let limit = i32::try_from(query.limit).unwrap_or(i32::MAX);
         let result = self
             .inner
@@ -654,6 +686,31 @@ impl MessageStore for ScyllaStore {
             .await
             .map_err(|e| db_error("history", e))?;
         rows(result)?.iter().map(to_message).collect()
+    }
+}
+
+#[async_trait]
+impl MessageStore for ScyllaStore {
+    async fn insert_once(&self, message: NewMessage) -> Result<Insert, Error> {
+        let inner = Arc::clone(&self.inner);
+        // In the caller's span: the LWT's span belongs to this send's trace.
+        tokio::spawn(async move { inner.insert_counted(message).await }.in_current_span())
+            .await
+            .map_err(|e| Error::internal(format!("insert task failed: {e}")))?
+    }
+
+    async fn lookup(&self, key: &MessageKey) -> Result<Option<StoredMessage>, Error> {
+        let started = Instant::now();
+        let result = self.lookup_uncounted(key).await;
+        self.inner.record("lookup", started, &result);
+        result
+    }
+
+    async fn history(&self, query: &HistoryQuery) -> Result<Vec<StoredMessage>, Error> {
+        let started = Instant::now();
+        let result = self.history_uncounted(query).await;
+        self.inner.record("history", started, &result);
+        result
     }
 }
 

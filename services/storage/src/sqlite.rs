@@ -11,12 +11,13 @@ use std::{
     path::{Path, PathBuf},
     sync::{Arc, Mutex},
     thread,
-    time::{SystemTime, UNIX_EPOCH},
+    time::{Instant, SystemTime, UNIX_EPOCH},
 };
 
 use async_trait::async_trait;
 use imdedup_core::{
     Error,
+    metrics::{DB_SQLITE, StoreMetrics},
     model::{
         ClientMsgId, ConversationId, HistoryQuery, MessageKey, NewMessage, Receipt, Sender,
         StoredMessage,
@@ -56,6 +57,8 @@ pub struct SqliteOptions {
     pub max_batch: usize,
     /// Read connections for lookups and history.
     pub readers: usize,
+    /// Where inserts, errors and durations are counted.
+    pub metrics: StoreMetrics,
 }
 
 impl SqliteOptions {
@@ -64,6 +67,7 @@ impl SqliteOptions {
             path: path.into(),
             max_batch: 512,
             readers: 4,
+            metrics: StoreMetrics::default(),
         }
     }
 }
@@ -81,6 +85,7 @@ pub struct SqliteStore {
     readers: Arc<Mutex<Vec<Connection>>>,
     /// One permit per pooled reader, so a read waits for a free connection.
     reader_permits: Arc<Semaphore>,
+    metrics: StoreMetrics,
 }
 
 impl SqliteStore {
@@ -110,6 +115,7 @@ impl SqliteStore {
             writer: tx,
             reader_permits: Arc::new(Semaphore::new(readers.len())),
             readers: Arc::new(Mutex::new(readers)),
+            metrics: options.metrics.clone(),
         })
     }
 
@@ -318,9 +324,14 @@ fn unix_millis() -> i64 {
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
-#[async_trait]
-impl MessageStore for SqliteStore {
-    async fn insert_once(&self, message: NewMessage) -> Result<Insert, Error> {
+impl SqliteStore {
+    /// Count one operation that started at `started`.
+    fn record<T>(&self, operation: &'static str, started: Instant, result: &Result<T, Error>) {
+        self.metrics
+            .operation(DB_SQLITE, operation, started.elapsed(), result.is_ok());
+    }
+
+    async fn insert_once_uncounted(&self, message: NewMessage) -> Result<Insert, Error> {
         let (reply, answer) = oneshot::channel();
         self.writer
             .send(WriteJob {
@@ -335,7 +346,7 @@ impl MessageStore for SqliteStore {
             .map_err(|_| Error::unavailable("storage writer has stopped"))?
     }
 
-    async fn insert_copy(&self, message: NewMessage) -> Result<StoredMessage, Error> {
+    async fn insert_copy_uncounted(&self, message: NewMessage) -> Result<StoredMessage, Error> {
         let (reply, answer) = oneshot::channel();
         self.writer
             .send(WriteJob {
@@ -352,26 +363,119 @@ impl MessageStore for SqliteStore {
             Insert::Stored(row) | Insert::AlreadyStored(row) => Ok(row),
         }
     }
+}
+
+#[async_trait]
+impl MessageStore for SqliteStore {
+    /// Until the batch holding this insert is committed.
+    #[tracing::instrument(
+        name = "sqlite.insert",
+        skip_all,
+        fields(
+            otel.name = "INSERT messages",
+            otel.kind = "client",
+            db.system = "sqlite",
+            db.operation = "INSERT",
+        )
+    )]
+    async fn insert_once(&self, message: NewMessage) -> Result<Insert, Error> {
+        let started = Instant::now();
+        let result = self.insert_once_uncounted(message).await;
+        self.record("insert", started, &result);
+        if let Ok(insert) = &result {
+            self.metrics
+                .inserted(DB_SQLITE, matches!(insert, Insert::Stored(_)));
+        }
+        result
+    }
+
+    async fn insert_copy(&self, message: NewMessage) -> Result<StoredMessage, Error> {
+        let started = Instant::now();
+        let result = self.insert_copy_uncounted(message).await;
+        self.record("insert", started, &result);
+        if result.is_ok() {
+            self.metrics.inserted(DB_SQLITE, true);
+        }
+        result
+    }
 
     async fn lookup(&self, key: &MessageKey) -> Result<Option<StoredMessage>, Error> {
+        let started = Instant::now();
         let key = key.clone();
-        self.read(move |conn| select_by_key(conn, &key)).await
+        let result = self.read(move |conn| select_by_key(conn, &key)).await;
+        self.record("lookup", started, &result);
+        result
     }
 
     async fn history(&self, query: &HistoryQuery) -> Result<Vec<StoredMessage>, Error> {
+        let started = Instant::now();
         let query = query.clone();
-        self.read(move |conn| {
-            let mut stmt = conn.prepare_cached(&format!(
-                "SELECT {COLUMNS} FROM messages WHERE conversation = ?1 AND seq > ?2
+        let result = self
+            .read(move |conn| {
+                let mut stmt = conn.prepare_cached(&format!(
+                    "SELECT {COLUMNS} FROM messages WHERE conversation = ?1 AND seq > ?2
                  ORDER BY seq LIMIT ?3"
-            ))?;
-            let after = i64::try_from(query.after_seq).unwrap_or(i64::MAX);
-            stmt.query_map(
-                params![query.conversation.as_str(), after, query.limit],
-                row_to_message,
-            )?
-            .collect()
-        })
-        .await
+                ))?;
+                let after = i64::try_from(query.after_seq).unwrap_or(i64::MAX);
+                stmt.query_map(
+                    params![query.conversation.as_str(), after, query.limit],
+                    row_to_message,
+                )?
+                .collect()
+            })
+            .await;
+        self.record("history", started, &result);
+        result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use imdedup_core::metrics::{Registry, render, sum_samples};
+
+    use super::*;
+
+    fn message(id: &str) -> NewMessage {
+        NewMessage {
+            key: MessageKey {
+                sender: Sender::parse("ana").unwrap(),
+                client_msg_id: ClientMsgId::parse(id.as_bytes().to_vec()).unwrap(),
+            },
+            conversation: ConversationId::parse("ana-ben").unwrap(),
+            body: imdedup_core::model::Body::parse("hi", 100).unwrap(),
+        }
+    }
+
+    #[tokio::test]
+    async fn inserts_and_reads_are_counted() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut registry = Registry::default();
+        let mut options = SqliteOptions::new(dir.path().join("messages.db"));
+        options.metrics = StoreMetrics::register(&mut registry);
+        let store = SqliteStore::open(&options).unwrap();
+
+        store.insert_once(message("m1")).await.unwrap();
+        store.insert_once(message("m1")).await.unwrap();
+        store.insert_once(message("m2")).await.unwrap();
+        let query = HistoryQuery::new(ConversationId::parse("ana-ben").unwrap(), 0, 10).unwrap();
+        assert_eq!(store.history(&query).await.unwrap().len(), 2);
+
+        let text = render(&registry);
+        let value = |name: &str, labels: &[(&str, &str)]| {
+            let mut all = vec![("db_system", "sqlite")];
+            all.extend_from_slice(labels);
+            sum_samples(&text, name, &all)
+        };
+        let inserts = "imdedup_store_inserts_total";
+        assert_eq!(
+            value(inserts, &[("result", "applied")]),
+            Some(2.0),
+            "{text}"
+        );
+        assert_eq!(value(inserts, &[("result", "not_applied")]), Some(1.0));
+        let durations = "imdedup_store_operation_duration_seconds_count";
+        assert_eq!(value(durations, &[("operation", "insert")]), Some(3.0));
+        assert_eq!(value(durations, &[("operation", "history")]), Some(1.0));
+        assert_eq!(value("imdedup_store_errors_total", &[]), None);
     }
 }
