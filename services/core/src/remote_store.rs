@@ -69,6 +69,7 @@ impl RemoteStore {
     fn request<T>(&self, message: T) -> tonic::Request<T> {
         let mut request = tonic::Request::new(message);
         request.set_timeout(self.timeout);
+        crate::telemetry::inject_metadata(request.metadata_mut());
         request
     }
 }
@@ -76,7 +77,9 @@ impl RemoteStore {
 #[async_trait]
 impl MessageStore for RemoteStore {
     async fn insert_once(&self, message: NewMessage) -> Result<Insert, Error> {
-        let reply = self.insert(pb::InsertOnceRequest::from(message)).await?;
+        let mut request = pb::InsertOnceRequest::from(message);
+        request.trace_context = crate::telemetry::trace_context();
+        let reply = self.insert(request).await?;
         let row = convert::stored_message(
             reply
                 .message
@@ -92,6 +95,7 @@ impl MessageStore for RemoteStore {
     async fn insert_copy(&self, message: NewMessage) -> Result<StoredMessage, Error> {
         let mut request = pb::InsertOnceRequest::from(message);
         request.store_copy = true;
+        request.trace_context = crate::telemetry::trace_context();
         let reply = self.insert(request).await?;
         convert::stored_message(
             reply

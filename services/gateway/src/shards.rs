@@ -8,7 +8,7 @@ use imdedup_core::{
     convert,
     model::{Ack, ConversationId, NewMessage},
     remote_store::hop_error,
-    routing,
+    routing, telemetry,
 };
 use imdedup_proto::v1::{self as pb, ingest_service_client::IngestServiceClient, send_response};
 use tonic::transport::{Channel, Endpoint};
@@ -66,7 +66,8 @@ impl Shards {
             client_msg_id: message.key.client_msg_id.into_bytes(),
             conversation: message.conversation.as_str().to_owned(),
             body: message.body.into_string(),
-            ..Default::default()
+            trace_context: telemetry::trace_context(),
+            tag: 0,
         };
         let response = tokio::time::timeout(timeout, self.batchers[index].call(request))
             .await

@@ -88,10 +88,18 @@ fn one_send_is_one_trace_across_gateway_ingest_and_storage() {
 
     let dir = tempfile::tempdir().unwrap();
     let (storage_addr, ingest_addr, gateway_addr) = (free_addr(), free_addr(), free_addr());
+    // Admin ports too: the defaults may be taken by another test or service.
+    let admins = [free_addr(), free_addr(), free_addr()].map(|a| a.to_string());
     let secret = "trace-test-secret-0123456789";
     let storage_url = format!("http://{storage_addr}");
     let _storage = Service::start(
-        &["storage", "--listen", &storage_addr.to_string()],
+        &[
+            "storage",
+            "--listen",
+            &storage_addr.to_string(),
+            "--admin-listen",
+            &admins[0],
+        ],
         dir.path(),
         &otlp,
     );
@@ -102,6 +110,8 @@ fn one_send_is_one_trace_across_gateway_ingest_and_storage() {
             &ingest_addr.to_string(),
             "--storage",
             &storage_url,
+            "--admin-listen",
+            &admins[1],
         ],
         dir.path(),
         &otlp,
@@ -117,6 +127,8 @@ fn one_send_is_one_trace_across_gateway_ingest_and_storage() {
             &storage_url,
             "--token-secret",
             secret,
+            "--admin-listen",
+            &admins[2],
         ],
         dir.path(),
         &otlp,

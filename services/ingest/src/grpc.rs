@@ -3,7 +3,7 @@
 use std::{pin::Pin, sync::Arc};
 
 use futures_util::{Stream, StreamExt, future::join_all};
-use imdedup_core::{Error, convert};
+use imdedup_core::{Error, convert, telemetry};
 use imdedup_proto::v1::{
     self as pb,
     ingest_service_server::{IngestService, IngestServiceServer},
@@ -12,6 +12,7 @@ use imdedup_proto::v1::{
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument;
 
 use crate::dedup::Dedup;
 
@@ -45,8 +46,26 @@ async fn decide(
     req: pb::SendRequest,
     max_body_bytes: usize,
 ) -> Result<pb::Ack, Error> {
-    let message = convert::send_request(req, max_body_bytes)?;
+    let message = convert::send_request(req, max_body_bytes).inspect_err(|e| {
+        dedup.metrics().refused(e.kind());
+    })?;
     Ok(dedup.send(message).await?.into())
+}
+
+/// Decide one send of a batch or stream, continuing the trace its gateway
+/// started (a unary `Send` gets its parent from the call's metadata).
+async fn decide_traced(
+    dedup: &Dedup,
+    mut req: pb::SendRequest,
+    max_body_bytes: usize,
+) -> send_response::Result {
+    let span = tracing::info_span!("imdedup.ingest.send");
+    telemetry::set_parent(&span, telemetry::extract_map(&req.trace_context));
+    req.trace_context.clear();
+    match decide(dedup, req, max_body_bytes).instrument(span).await {
+        Ok(ack) => send_response::Result::Ack(ack),
+        Err(e) => send_response::Result::Error(e.into()),
+    }
 }
 
 #[tonic::async_trait]
@@ -79,10 +98,7 @@ impl IngestService for IngestGrpc {
         // Decided concurrently; each send succeeds or fails on its own.
         let results = join_all(sends.into_iter().map(|req| async move {
             let tag = req.tag;
-            let result = match decide(&self.dedup, req, self.max_body_bytes).await {
-                Ok(ack) => send_response::Result::Ack(ack),
-                Err(e) => send_response::Result::Error(e.into()),
-            };
+            let result = decide_traced(&self.dedup, req, self.max_body_bytes).await;
             pb::SendResponse {
                 tag,
                 result: Some(result),
@@ -113,10 +129,7 @@ impl IngestService for IngestGrpc {
                 let dedup = Arc::clone(&dedup);
                 tokio::spawn(async move {
                     let tag = req.tag;
-                    let result = match decide(&dedup, req, max_body_bytes).await {
-                        Ok(ack) => send_response::Result::Ack(ack),
-                        Err(e) => send_response::Result::Error(e.into()),
-                    };
+                    let result = decide_traced(&dedup, req, max_body_bytes).await;
                     slot.send(Ok(pb::SendResponse {
                         tag,
                         result: Some(result),

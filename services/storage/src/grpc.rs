@@ -3,12 +3,13 @@
 use std::sync::Arc;
 
 use futures_util::future::join_all;
-use imdedup_core::{Error, convert, store::Insert, store::MessageStore};
+use imdedup_core::{Error, convert, store::Insert, store::MessageStore, telemetry};
 use imdedup_proto::v1::{
     self as pb, insert_result,
     storage_service_server::{StorageService, StorageServiceServer},
 };
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 /// Storage accepts bodies up to this size; the gateway and ingest enforce the
 /// smaller configured limit that phones see.
@@ -57,9 +58,16 @@ impl StorageService for StorageGrpc {
         }
         // Concurrently, so the store can commit them together.
         let results = join_all(
-            inserts
-                .into_iter()
-                .map(|insert_request| insert(self.store.as_ref(), insert_request)),
+            inserts.into_iter().map(|mut insert_request| {
+                // Each insert continues the trace of its own send.
+                let span = tracing::info_span!("imdedup.storage.insert");
+                telemetry::set_parent(
+                    &span,
+                    telemetry::extract_map(&insert_request.trace_context),
+                );
+                insert_request.trace_context.clear();
+                insert(self.store.as_ref(), insert_request).instrument(span)
+            }),
         )
         .await
         .into_iter()
