@@ -11,5 +11,6 @@ pub mod html;
 pub mod phone;
 pub mod report;
 pub mod run;
+pub mod search;
 
 pub use run::{LoadConfig, Outcome, run};

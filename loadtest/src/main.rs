@@ -3,7 +3,13 @@
 use std::{path::PathBuf, time::Duration};
 
 use clap::{Args, Parser, Subcommand};
-use imdedup_loadtest::{LoadConfig, phone::ResendPolicy, run, run::Target};
+use imdedup_loadtest::{
+    LoadConfig,
+    phone::ResendPolicy,
+    run,
+    run::Target,
+    search::{Search, Step},
+};
 
 // Many small allocations on many threads: glibc's arenas contend under load.
 #[global_allocator]
@@ -27,6 +33,25 @@ enum Scenario {
     /// phones reconnect at once and resend their outboxes, jittered over
     /// --storm-window.
     Storm(Common),
+    /// The highest rate sustained with p99 ACK latency under --p99: steady
+    /// steps of --duration each, bisecting between --min-rate and --max-rate.
+    Search(SearchArgs),
+}
+
+#[derive(Args)]
+struct SearchArgs {
+    #[command(flatten)]
+    common: Common,
+    /// The p99 ACK latency a sustained rate must stay under.
+    #[arg(long, default_value = "25ms", value_parser = humantime::parse_duration)]
+    p99: Duration,
+    #[arg(long, default_value_t = 1000.0)]
+    min_rate: f64,
+    #[arg(long, default_value_t = 30_000.0)]
+    max_rate: f64,
+    /// Stop when the bracket around the answer is this narrow (a fraction).
+    #[arg(long, default_value_t = 0.05)]
+    precision: f64,
 }
 
 #[derive(Args)]
@@ -116,11 +141,65 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    let (name, book, args) = match cli.scenario {
-        Scenario::Book(args) => ("book", true, args),
-        Scenario::Steady(args) => ("steady", false, args),
-        Scenario::Storm(args) => ("storm", false, args),
+    let (name, args) = match cli.scenario {
+        Scenario::Book(args) => ("book", args),
+        Scenario::Steady(args) => ("steady", args),
+        Scenario::Storm(args) => ("storm", args),
+        Scenario::Search(search) => return run_search(search).await,
     };
+    let config = load_config(name, &args, args.rate)?;
+    let outcome = run(config).await?;
+    print!("{}", outcome.report.render());
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_vec_pretty(&outcome.report)?)?;
+        eprintln!("report written to {}", path.display());
+    }
+    if let Some(path) = &args.html {
+        std::fs::write(path, imdedup_loadtest::html::render(&outcome.report))?;
+        eprintln!("HTML report written to {}", path.display());
+    }
+    if !outcome.audit.passed() {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+async fn run_search(args: SearchArgs) -> anyhow::Result<()> {
+    let mut search = Search::new(
+        args.min_rate,
+        args.max_rate,
+        args.precision,
+        args.p99.as_secs_f64() * 1000.0,
+    );
+    while let Some(rate) = search.next_rate() {
+        eprintln!("search: offering {rate:.0} messages/s for {:?}", args.common.duration);
+        let outcome = run(load_config("steady", &args.common, Some(rate))?).await?;
+        let step = Step::judge(&outcome.report, outcome.audit.passed(), search.p99_bound_ms);
+        eprintln!(
+            "search: {rate:.0}/s -> p99 {:.2} ms, {}",
+            step.p99_ms,
+            if step.sustained { "sustained" } else { "not sustained" }
+        );
+        if !step.audit_passed {
+            print!("{}", outcome.report.render());
+        }
+        search.record(step);
+    }
+    print!("{}", search.render());
+    if let Some(path) = &args.common.json {
+        std::fs::write(path, serde_json::to_vec_pretty(&search)?)?;
+        eprintln!("search written to {}", path.display());
+    }
+    // A failed audit is a failure whatever the rate; no answer is one too.
+    if search.steps.iter().any(|s| !s.audit_passed) || search.sustained.is_none() {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+/// The run a scenario stands for, with its defaults filled in.
+fn load_config(name: &str, args: &Common, rate: Option<f64>) -> anyhow::Result<LoadConfig> {
+    let book = name == "book";
     let storm = name == "storm";
     let target = match (&args.url, args.embedded) {
         (Some(url), false) => Target::Gateway {
@@ -134,7 +213,7 @@ async fn main() -> anyhow::Result<()> {
         },
         _ => anyhow::bail!("give --embedded or --url"),
     };
-    let rate = args.rate.unwrap_or(match name {
+    let rate = rate.unwrap_or(match name {
         "book" => 2000.0,
         "storm" => 5000.0,
         _ => 13_900.0,
@@ -150,7 +229,7 @@ async fn main() -> anyhow::Result<()> {
         _ => 1.0,
     });
     let embedded = matches!(target, Target::Embedded { .. });
-    let config = LoadConfig {
+    Ok(LoadConfig {
         scenario: name.to_owned(),
         target,
         messages: args.messages.unwrap_or(match name {
@@ -187,19 +266,5 @@ async fn main() -> anyhow::Result<()> {
             Duration::ZERO
         },
         progress: !args.quiet,
-    };
-    let outcome = run(config).await?;
-    print!("{}", outcome.report.render());
-    if let Some(path) = args.json {
-        std::fs::write(&path, serde_json::to_vec_pretty(&outcome.report)?)?;
-        eprintln!("report written to {}", path.display());
-    }
-    if let Some(path) = args.html {
-        std::fs::write(&path, imdedup_loadtest::html::render(&outcome.report))?;
-        eprintln!("HTML report written to {}", path.display());
-    }
-    if !outcome.audit.passed() {
-        std::process::exit(1);
-    }
-    Ok(())
+    })
 }

@@ -7,12 +7,13 @@ use std::{sync::OnceLock, time::Duration};
 
 use crate::{
     Error, ErrorKind,
-    batch::{BatchLimits, Batcher},
+    batch::{Answers, BatchLimits, Batcher},
     convert,
     model::{HistoryQuery, MessageKey, NewMessage, StoredMessage},
     store::{Insert, MessageStore},
 };
 use async_trait::async_trait;
+use futures_util::StreamExt;
 use imdedup_proto::v1::{
     self as pb, insert_result, storage_service_client::StorageServiceClient,
 };
@@ -130,15 +131,15 @@ impl MessageStore for RemoteStore {
     }
 }
 
-/// One `InsertBatch` call: one result per insert, in order.
+/// One `InsertBatch` call; each insert is answered as soon as it is done.
 async fn insert_batch(
     mut client: StorageServiceClient<Channel>,
     timeout: Duration,
     inserts: Vec<pb::InsertOnceRequest>,
-) -> Result<Vec<Result<pb::InsertOnceResponse, Error>>, Error> {
+) -> Result<Answers<pb::InsertOnceResponse>, Error> {
     let mut request = tonic::Request::new(pb::InsertBatchRequest { inserts });
     request.set_timeout(timeout);
-    let reply = tokio::time::timeout(timeout, client.insert_batch(request))
+    let answers = tokio::time::timeout(timeout, client.insert_batch(request))
         .await
         .map_err(|_| {
             Error::new(
@@ -147,16 +148,17 @@ async fn insert_batch(
             )
         })?
         .map_err(hop_error)?
-        .into_inner();
-    Ok(reply
-        .results
-        .into_iter()
-        .map(|result| match result.result {
-            Some(insert_result::Result::Ok(ok)) => Ok(ok),
-            Some(insert_result::Result::Error(e)) => Err(e.into()),
-            None => Err(Error::internal("storage answered an insert with nothing")),
-        })
-        .collect())
+        .into_inner()
+        .map(|answer| {
+            let answer = answer.map_err(hop_error)?;
+            let result = match answer.result {
+                Some(insert_result::Result::Ok(ok)) => Ok(ok),
+                Some(insert_result::Result::Error(e)) => Err(e.into()),
+                None => Err(Error::internal("storage answered an insert with nothing")),
+            };
+            Ok((answer.index as usize, result))
+        });
+    Ok(Box::pin(answers))
 }
 
 /// A failed call between services. A connection that broke shows up as

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
+use tokio_stream::{StreamExt, wrappers::TcpListenerStream};
 use tokio_util::sync::CancellationToken;
 use tonic::service::Routes;
 use tonic_health::ServingStatus;
@@ -68,12 +68,21 @@ pub async fn serve_grpc(
                 .await;
         }
     };
+    // The builder's `tcp_nodelay` only reaches sockets it accepts itself;
+    // these come from our listener, so set it here. Without it, small
+    // answers wait for Nagle and the peer's delayed ACK (tens of ms).
+    let incoming = TcpListenerStream::new(listener).map(|accepted| {
+        accepted.inspect(|tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+            }
+        })
+    });
     tonic::transport::Server::builder()
         .layer(GrpcServerTraceLayer)
-        .tcp_nodelay(true)
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .concurrency_limit_per_connection(max_concurrent_per_connection)
         .add_routes(routes)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), signal)
+        .serve_with_incoming_shutdown(incoming, signal)
         .await
 }

@@ -2,9 +2,11 @@
 
 use std::time::Duration;
 
+use futures_util::StreamExt;
+
 use imdedup_core::{
     Error, ErrorKind,
-    batch::{BatchLimits, Batcher, MAX_BATCH_MESSAGE_BYTES},
+    batch::{Answers, BatchLimits, Batcher, MAX_BATCH_MESSAGE_BYTES},
     convert,
     model::{Ack, ConversationId, NewMessage},
     remote_store::hop_error,
@@ -92,15 +94,19 @@ impl Shards {
     }
 }
 
-/// One `SendBatch` call: one response per send, in order.
+/// One `SendBatch` call; each send is answered as soon as it is decided,
+/// matched by its tag (its index in the batch).
 async fn send_batch(
     mut client: IngestServiceClient<Channel>,
     timeout: Duration,
-    sends: Vec<pb::SendRequest>,
-) -> Result<Vec<Result<pb::SendResponse, Error>>, Error> {
+    mut sends: Vec<pb::SendRequest>,
+) -> Result<Answers<pb::SendResponse>, Error> {
+    for (index, send) in sends.iter_mut().enumerate() {
+        send.tag = index as u64;
+    }
     let mut request = tonic::Request::new(pb::SendBatchRequest { sends });
     request.set_timeout(timeout);
-    let reply = tokio::time::timeout(timeout, client.send_batch(request))
+    let answers = tokio::time::timeout(timeout, client.send_batch(request))
         .await
         .map_err(|_| {
             Error::new(
@@ -109,6 +115,11 @@ async fn send_batch(
             )
         })?
         .map_err(hop_error)?
-        .into_inner();
-    Ok(reply.results.into_iter().map(Ok).collect())
+        .into_inner()
+        .map(|answer| {
+            let answer = answer.map_err(hop_error)?;
+            let index = usize::try_from(answer.tag).unwrap_or(usize::MAX);
+            Ok((index, Ok(answer)))
+        });
+    Ok(Box::pin(answers))
 }

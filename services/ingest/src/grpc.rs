@@ -2,7 +2,7 @@
 
 use std::{pin::Pin, sync::Arc};
 
-use futures_util::{Stream, StreamExt, future::join_all};
+use futures_util::{Stream, StreamExt, stream::FuturesUnordered};
 use imdedup_core::{Error, convert, telemetry};
 use imdedup_proto::v1::{
     self as pb,
@@ -83,10 +83,13 @@ impl IngestService for IngestGrpc {
         }))
     }
 
+    type SendBatchStream =
+        Pin<Box<dyn Stream<Item = Result<pb::SendResponse, Status>> + Send + 'static>>;
+
     async fn send_batch(
         &self,
         request: Request<pb::SendBatchRequest>,
-    ) -> Result<Response<pb::SendBatchResponse>, Status> {
+    ) -> Result<Response<Self::SendBatchStream>, Status> {
         let sends = request.into_inner().sends;
         if sends.len() > MAX_BATCH {
             return Err(Error::invalid(format!(
@@ -95,17 +98,31 @@ impl IngestService for IngestGrpc {
             ))
             .into());
         }
-        // Decided concurrently; each send succeeds or fails on its own.
-        let results = join_all(sends.into_iter().map(|req| async move {
-            let tag = req.tag;
-            let result = decide_traced(&self.dedup, req, self.max_body_bytes).await;
-            pb::SendResponse {
-                tag,
-                result: Some(result),
-            }
-        }))
-        .await;
-        Ok(Response::new(pb::SendBatchResponse { results }))
+        // Each send is decided in its own task, so it runs to the end even
+        // if the caller goes away, and is answered as soon as it is decided.
+        let decisions: FuturesUnordered<_> = sends
+            .into_iter()
+            .map(|req| {
+                let dedup = Arc::clone(&self.dedup);
+                let max_body_bytes = self.max_body_bytes;
+                let tag = req.tag;
+                let decision = tokio::spawn(async move {
+                    decide_traced(&dedup, req, max_body_bytes).await
+                });
+                async move {
+                    let result = decision.await.unwrap_or_else(|e| {
+                        send_response::Result::Error(
+                            Error::internal(format!("the decision task failed: {e}")).into(),
+                        )
+                    });
+                    Ok(pb::SendResponse {
+                        tag,
+                        result: Some(result),
+                    })
+                }
+            })
+            .collect();
+        Ok(Response::new(Box::pin(decisions)))
     }
 
     type SendStreamStream =

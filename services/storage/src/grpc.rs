@@ -1,8 +1,8 @@
 //! The gRPC face of a [`MessageStore`]: `imdedup.v1.StorageService`.
 
-use std::sync::Arc;
+use std::{pin::Pin, sync::Arc};
 
-use futures_util::future::join_all;
+use futures_util::{Stream, stream::FuturesUnordered};
 use imdedup_core::{Error, convert, store::Insert, store::MessageStore, telemetry};
 use imdedup_proto::v1::{
     self as pb, insert_result,
@@ -44,10 +44,13 @@ impl StorageService for StorageGrpc {
         ))
     }
 
+    type InsertBatchStream =
+        Pin<Box<dyn Stream<Item = Result<pb::InsertResult, Status>> + Send + 'static>>;
+
     async fn insert_batch(
         &self,
         request: Request<pb::InsertBatchRequest>,
-    ) -> Result<Response<pb::InsertBatchResponse>, Status> {
+    ) -> Result<Response<Self::InsertBatchStream>, Status> {
         let inserts = request.into_inner().inserts;
         if inserts.len() > MAX_BATCH {
             return Err(Error::invalid(format!(
@@ -56,9 +59,14 @@ impl StorageService for StorageGrpc {
             ))
             .into());
         }
-        // Concurrently, so the store can commit them together.
-        let results = join_all(
-            inserts.into_iter().map(|mut insert_request| {
+        // Concurrently, so the store can commit them together; each in its
+        // own task, so it finishes even if the caller goes away, and each
+        // answered as soon as it is done.
+        let results: FuturesUnordered<_> = inserts
+            .into_iter()
+            .enumerate()
+            .map(|(index, mut insert_request)| {
+                let store = Arc::clone(&self.store);
                 // Each insert continues the trace of its own send.
                 let span = tracing::info_span!("imdedup.storage.insert");
                 telemetry::set_parent(
@@ -66,19 +74,24 @@ impl StorageService for StorageGrpc {
                     telemetry::extract_map(&insert_request.trace_context),
                 );
                 insert_request.trace_context.clear();
-                insert(self.store.as_ref(), insert_request).instrument(span)
-            }),
-        )
-        .await
-        .into_iter()
-        .map(|result| pb::InsertResult {
-            result: Some(match result {
-                Ok(ok) => insert_result::Result::Ok(ok),
-                Err(e) => insert_result::Result::Error(e.into()),
-            }),
-        })
-        .collect();
-        Ok(Response::new(pb::InsertBatchResponse { results }))
+                let task = tokio::spawn(
+                    async move { insert(store.as_ref(), insert_request).await }.instrument(span),
+                );
+                async move {
+                    let result = task.await.unwrap_or_else(|e| {
+                        Err(Error::internal(format!("the insert task failed: {e}")))
+                    });
+                    Ok(pb::InsertResult {
+                        index: u32::try_from(index).unwrap_or(u32::MAX),
+                        result: Some(match result {
+                            Ok(ok) => insert_result::Result::Ok(ok),
+                            Err(e) => insert_result::Result::Error(e.into()),
+                        }),
+                    })
+                }
+            })
+            .collect();
+        Ok(Response::new(Box::pin(results)))
     }
 
     async fn lookup(
