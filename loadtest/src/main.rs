@@ -3,6 +3,7 @@
 use std::{path::PathBuf, time::Duration};
 
 use clap::{Args, Parser, Subcommand};
+use imdedup_client::Encoding;
 use imdedup_loadtest::{
     LoadConfig,
     phone::ResendPolicy,
@@ -129,6 +130,10 @@ struct Common {
     /// No progress line.
     #[arg(long)]
     quiet: bool,
+    /// The phones' frames: `json` (text) or `protobuf` (binary); the
+    /// gateway speaks both.
+    #[arg(long, default_value = "json", value_parser = ["json", "protobuf"])]
+    encoding: String,
 }
 
 #[tokio::main]
@@ -172,13 +177,20 @@ async fn run_search(args: SearchArgs) -> anyhow::Result<()> {
         args.p99.as_secs_f64() * 1000.0,
     );
     while let Some(rate) = search.next_rate() {
-        eprintln!("search: offering {rate:.0} messages/s for {:?}", args.common.duration);
+        eprintln!(
+            "search: offering {rate:.0} messages/s for {:?}",
+            args.common.duration
+        );
         let outcome = run(load_config("steady", &args.common, Some(rate))?).await?;
         let step = Step::judge(&outcome.report, outcome.audit.passed(), search.p99_bound_ms);
         eprintln!(
             "search: {rate:.0}/s -> p99 {:.2} ms, {}",
             step.p99_ms,
-            if step.sustained { "sustained" } else { "not sustained" }
+            if step.sustained {
+                "sustained"
+            } else {
+                "not sustained"
+            }
         );
         if !step.audit_passed {
             print!("{}", outcome.report.render());
@@ -266,5 +278,10 @@ fn load_config(name: &str, args: &Common, rate: Option<f64>) -> anyhow::Result<L
             Duration::ZERO
         },
         progress: !args.quiet,
+        encoding: if args.encoding == "protobuf" {
+            Encoding::Protobuf
+        } else {
+            Encoding::Json
+        },
     })
 }

@@ -71,6 +71,8 @@ pub struct LoadConfig {
     /// resend their whole outbox, each message at a random moment within
     /// this window, on the resend schedule.
     pub storm_window: Duration,
+    /// The phones' frames: JSON text or protobuf binary.
+    pub encoding: Encoding,
     /// Print a progress line every second.
     pub progress: bool,
 }
@@ -104,13 +106,14 @@ async fn connect_all(
     url: &str,
     tokens: &[String],
     second: bool,
+    encoding: Encoding,
 ) -> anyhow::Result<Vec<(Client, Option<Client>)>> {
     let mut connecting = tokio::task::JoinSet::new();
     for (u, token) in tokens.iter().enumerate() {
         let (url, token) = (url.to_owned(), token.clone());
         connecting.spawn(async move {
             let connect = || async {
-                Client::connect(&url, &token, Encoding::Json)
+                Client::connect(&url, &token, encoding)
                     .await
                     .with_context(|| format!("cannot connect phone {u} to {url}"))
             };
@@ -202,7 +205,7 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
     let tokens: Vec<String> = (0..config.users)
         .map(token)
         .collect::<anyhow::Result<_>>()?;
-    let phones = Arc::new(connect_all(&url, &tokens, second).await?);
+    let phones = Arc::new(connect_all(&url, &tokens, second, config.encoding).await?);
 
     let mut rng = StdRng::seed_from_u64(config.seed);
     let plan: Vec<Planned> = (0..config.messages)
@@ -298,7 +301,7 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
         dues = (0..plan.len())
             .map(|_| Duration::from_secs_f64(rng.random_range(0.0..window)))
             .collect();
-        Arc::new(connect_all(&url, &tokens, second).await?)
+        Arc::new(connect_all(&url, &tokens, second, config.encoding).await?)
     } else {
         phones
     };

@@ -28,7 +28,12 @@ impl Step {
     /// Judge a step's report against the p99 bound.
     pub fn judge(report: &Report, audit_passed: bool, p99_bound_ms: f64) -> Self {
         let failed = report.audit.failed;
-        let sustained = sustains(report.ack_latency.p99_ms, failed, audit_passed, p99_bound_ms);
+        let sustained = sustains(
+            report.ack_latency.p99_ms,
+            failed,
+            audit_passed,
+            p99_bound_ms,
+        );
         Self {
             offered_rate: report.offered_rate,
             achieved_rate: report.achieved_rate,
@@ -167,7 +172,10 @@ mod tests {
     fn finds_the_capacity_within_its_precision() {
         for capacity in [1500.0, 4_400.0, 12_345.0, 20_000.0] {
             let found = search(capacity).sustained.unwrap();
-            assert!(found <= capacity, "{found} is above the capacity {capacity}");
+            assert!(
+                found <= capacity,
+                "{found} is above the capacity {capacity}"
+            );
             assert!(
                 found >= capacity / 1.05 - 1.0,
                 "{found} is too far below the capacity {capacity}"

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use imdedup_client::Encoding;
 use imdedup_loadtest::{LoadConfig, phone::ResendPolicy, run, run::Target};
 
 fn book(messages: u64) -> LoadConfig {
@@ -28,6 +29,7 @@ fn book(messages: u64) -> LoadConfig {
         dedup_off: false,
         storm_window: Duration::ZERO,
         progress: false,
+        encoding: Encoding::Json,
     }
 }
 
@@ -78,6 +80,8 @@ async fn without_dedup_receivers_see_about_one_repeat_per_ten_messages() {
     config.dedup_off = true;
     config.late_resends = 0;
     config.concurrent_copies = 0.0;
+    // These phones speak the binary frames.
+    config.encoding = Encoding::Protobuf;
     let outcome = run(config).await.unwrap();
     let audit = &outcome.audit;
     // The book: at 10% loss per leg, about 11 extra copies per 100 messages.
@@ -100,6 +104,8 @@ async fn a_reconnect_storm_is_answered_from_the_window() {
     config.loss_ack = 0.01;
     config.late_resends = 0;
     config.concurrent_copies = 0.0;
+    // These phones speak the binary frames.
+    config.encoding = Encoding::Protobuf;
     let outcome = run(config).await.unwrap();
     let report = &outcome.report;
     assert!(outcome.audit.passed(), "{}", report.render());

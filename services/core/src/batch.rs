@@ -48,7 +48,8 @@ impl Default for BatchLimits {
 
 /// The answers of one batch call: `Ok((index, result))` for the request at
 /// `index`, in any order; an `Err` fails every request not answered yet.
-pub type Answers<Resp> = Pin<Box<dyn Stream<Item = Result<(usize, Result<Resp, Error>), Error>> + Send>>;
+pub type Answers<Resp> =
+    Pin<Box<dyn Stream<Item = Result<(usize, Result<Resp, Error>), Error>> + Send>>;
 
 struct Item<Req, Resp> {
     request: Req,
@@ -236,8 +237,8 @@ mod tests {
     #[tokio::test]
     async fn a_fast_answer_does_not_wait_for_a_slow_one_in_its_batch() {
         let batcher = Batcher::spawn(limits(64, 1), |requests: Vec<u64>| async move {
-            let answers = stream::iter(requests.into_iter().enumerate())
-                .then(|(i, delay_ms)| async move {
+            let answers =
+                stream::iter(requests.into_iter().enumerate()).then(|(i, delay_ms)| async move {
                     tokio::time::sleep(Duration::from_millis(delay_ms)).await;
                     Ok((i, Ok(delay_ms)))
                 });
@@ -253,7 +254,11 @@ mod tests {
         );
         assert_eq!(fast.0, Ok(0));
         assert_eq!(slow, Ok(300));
-        assert!(fast.1 < Duration::from_millis(200), "the fast one took {:?}", fast.1);
+        assert!(
+            fast.1 < Duration::from_millis(200),
+            "the fast one took {:?}",
+            fast.1
+        );
     }
 
     #[tokio::test]

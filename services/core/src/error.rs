@@ -27,6 +27,16 @@ pub enum ErrorKind {
 }
 
 impl ErrorKind {
+    /// Every kind, for tables and metrics.
+    pub const ALL: [Self; 6] = [
+        Self::InvalidArgument,
+        Self::Unauthenticated,
+        Self::Unavailable,
+        Self::DeadlineExceeded,
+        Self::Overloaded,
+        Self::Internal,
+    ];
+
     /// Whether the phone should resend the same message (same ID) later.
     pub fn retryable(self) -> bool {
         !matches!(self, Self::InvalidArgument | Self::Unauthenticated)
@@ -143,17 +153,10 @@ mod tests {
 
     #[test]
     fn only_bad_requests_and_bad_tokens_are_final() {
-        let final_kinds: Vec<_> = [
-            ErrorKind::InvalidArgument,
-            ErrorKind::Unauthenticated,
-            ErrorKind::Unavailable,
-            ErrorKind::DeadlineExceeded,
-            ErrorKind::Overloaded,
-            ErrorKind::Internal,
-        ]
-        .into_iter()
-        .filter(|k| !k.retryable())
-        .collect();
+        let final_kinds: Vec<_> = ErrorKind::ALL
+            .into_iter()
+            .filter(|k| !k.retryable())
+            .collect();
         assert_eq!(
             final_kinds,
             [ErrorKind::InvalidArgument, ErrorKind::Unauthenticated]
@@ -162,14 +165,7 @@ mod tests {
 
     #[test]
     fn kinds_survive_a_trip_through_grpc_status() {
-        for kind in [
-            ErrorKind::InvalidArgument,
-            ErrorKind::Unauthenticated,
-            ErrorKind::Unavailable,
-            ErrorKind::DeadlineExceeded,
-            ErrorKind::Overloaded,
-            ErrorKind::Internal,
-        ] {
+        for kind in ErrorKind::ALL {
             let status: Status = Error::new(kind, "boom").into();
             let back = Error::from(status);
             assert_eq!(back.kind(), kind);

@@ -61,6 +61,15 @@ pub fn outcome_label(result: Result<Outcome, ErrorKind>) -> &'static str {
     }
 }
 
+/// Every `outcome` label value of the sends counters.
+const OUTCOMES: [&str; 5] = [
+    "stored",
+    "duplicate_window",
+    "duplicate_unique_key",
+    "rejected",
+    "failed",
+];
+
 /// Decrements its gauge when dropped: one unit of "in progress".
 #[must_use = "the gauge goes down when this is dropped"]
 pub struct GaugeGuard(Gauge);
@@ -192,6 +201,16 @@ impl GatewayMetrics {
             Unit::Seconds,
             m.ack_duration.clone(),
         );
+        // Known series start at 0, so rate() and increase() see their
+        // first counts too.
+        for outcome in OUTCOMES {
+            drop(m.sends.get_or_create(&OutcomeLabels { outcome }));
+        }
+        for kind in ErrorKind::ALL {
+            drop(m.send_errors.get_or_create(&CodeLabels {
+                code: kind.as_str(),
+            }));
+        }
         registry.register(
             "imdedup_gateway_shard_up",
             "1 when the link to the ingest shard works, 0 when it failed last",
@@ -281,6 +300,9 @@ impl WindowMetrics {
             "Sends decided without the window (window down or breaker open)",
             m.bypassed.clone(),
         );
+        for result in ["owned", "seen", "in_flight", "error"] {
+            drop(m.claims.get_or_create(&ResultLabels { result }));
+        }
         registry.register_with_unit(
             "imdedup_window_operation_duration",
             "Window calls by operation (claim, remember, release) and backend",
@@ -383,6 +405,20 @@ impl IngestMetrics {
             "The ingest's failed calls to the store by operation",
             m.storage_errors.clone(),
         );
+        for outcome in OUTCOMES {
+            drop(m.sends.get_or_create(&OutcomeLabels { outcome }));
+        }
+        for kind in ErrorKind::ALL {
+            drop(m.errors.get_or_create(&CodeLabels {
+                code: kind.as_str(),
+            }));
+        }
+        for operation in ["insert", "lookup"] {
+            drop(
+                m.storage_errors
+                    .get_or_create(&OperationLabels { operation }),
+            );
+        }
         m
     }
 
@@ -476,6 +512,35 @@ impl StoreMetrics {
             m.operations.clone(),
         );
         m
+    }
+
+    /// Start the counters a store of `db_system` can move at 0, so rate()
+    /// and increase() see their first counts too. Stores call this when
+    /// they open.
+    pub fn start_at_zero(&self, db_system: &'static str) {
+        for result in ["applied", "not_applied"] {
+            drop(
+                self.inserts
+                    .get_or_create(&StoreResultLabels { db_system, result }),
+            );
+        }
+        for operation in ["insert", "lookup", "history"] {
+            drop(self.errors.get_or_create(&StoreOperationLabels {
+                db_system,
+                operation,
+            }));
+        }
+        if db_system == DB_CASSANDRA {
+            for kind in ["conversation", "server_id"] {
+                for result in ["leased", "contended"] {
+                    drop(self.leases.get_or_create(&LeaseLabels {
+                        db_system,
+                        kind,
+                        result,
+                    }));
+                }
+            }
+        }
     }
 
     /// A conditional insert was applied (a new row) or not (the key existed).

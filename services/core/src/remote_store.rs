@@ -14,9 +14,7 @@ use crate::{
 };
 use async_trait::async_trait;
 use futures_util::StreamExt;
-use imdedup_proto::v1::{
-    self as pb, insert_result, storage_service_client::StorageServiceClient,
-};
+use imdedup_proto::v1::{self as pb, insert_result, storage_service_client::StorageServiceClient};
 use tonic::transport::{Channel, Endpoint};
 
 type InsertBatcher = Batcher<pb::InsertOnceRequest, pb::InsertOnceResponse>;
@@ -56,7 +54,10 @@ impl RemoteStore {
         self
     }
 
-    async fn insert(&self, request: pb::InsertOnceRequest) -> Result<pb::InsertOnceResponse, Error> {
+    async fn insert(
+        &self,
+        request: pb::InsertOnceRequest,
+    ) -> Result<pb::InsertOnceResponse, Error> {
         let batcher = self.inserts.get_or_init(|| {
             let client = self.client.clone();
             let timeout = self.timeout;

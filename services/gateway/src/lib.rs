@@ -9,12 +9,12 @@ pub mod shards;
 use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use axum::{
-    serve::ListenerExt,
     Json, Router,
     extract::{Query, State, WebSocketUpgrade},
     http::{HeaderMap, StatusCode, header},
     response::{IntoResponse, Response},
     routing::get,
+    serve::ListenerExt,
 };
 use imdedup_core::{
     Error,

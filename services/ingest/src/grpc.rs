@@ -106,9 +106,8 @@ impl IngestService for IngestGrpc {
                 let dedup = Arc::clone(&self.dedup);
                 let max_body_bytes = self.max_body_bytes;
                 let tag = req.tag;
-                let decision = tokio::spawn(async move {
-                    decide_traced(&dedup, req, max_body_bytes).await
-                });
+                let decision =
+                    tokio::spawn(async move { decide_traced(&dedup, req, max_body_bytes).await });
                 async move {
                     let result = decision.await.unwrap_or_else(|e| {
                         send_response::Result::Error(

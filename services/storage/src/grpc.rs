@@ -29,7 +29,8 @@ impl StorageGrpc {
     }
 
     pub fn into_server(self) -> StorageServiceServer<Self> {
-        StorageServiceServer::new(self).max_decoding_message_size(imdedup_core::batch::MAX_BATCH_MESSAGE_BYTES)
+        StorageServiceServer::new(self)
+            .max_decoding_message_size(imdedup_core::batch::MAX_BATCH_MESSAGE_BYTES)
     }
 }
 
@@ -69,10 +70,7 @@ impl StorageService for StorageGrpc {
                 let store = Arc::clone(&self.store);
                 // Each insert continues the trace of its own send.
                 let span = tracing::info_span!("imdedup.storage.insert");
-                telemetry::set_parent(
-                    &span,
-                    telemetry::extract_map(&insert_request.trace_context),
-                );
+                telemetry::set_parent(&span, telemetry::extract_map(&insert_request.trace_context));
                 insert_request.trace_context.clear();
                 let task = tokio::spawn(
                     async move { insert(store.as_ref(), insert_request).await }.instrument(span),

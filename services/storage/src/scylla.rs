@@ -388,6 +388,7 @@ impl ScyllaStore {
     pub async fn open(options: ScyllaOptions) -> Result<Self, Error> {
         let session = connect(&options).await?;
         migrate(&session, &options).await?;
+        options.metrics.start_at_zero(DB_CASSANDRA);
         Self::with_session(Arc::new(session), options).await
     }
 

@@ -111,6 +111,7 @@ impl SqliteStore {
             .name("sqlite-writer".into())
             .spawn(move || run_writer(writer, rx, max_batch))
             .map_err(|e| Error::internal(format!("cannot start the writer thread: {e}")))?;
+        options.metrics.start_at_zero(DB_SQLITE);
         Ok(Self {
             writer: tx,
             reader_permits: Arc::new(Semaphore::new(readers.len())),
@@ -476,6 +477,10 @@ mod tests {
         let durations = "imdedup_store_operation_duration_seconds_count";
         assert_eq!(value(durations, &[("operation", "insert")]), Some(3.0));
         assert_eq!(value(durations, &[("operation", "history")]), Some(1.0));
-        assert_eq!(value("imdedup_store_errors_total", &[]), None);
+        assert_eq!(
+            value("imdedup_store_errors_total", &[]),
+            Some(0.0),
+            "{text}"
+        );
     }
 }
