@@ -24,7 +24,7 @@ use tokio::time::Instant;
 
 use crate::{
     audit::{Audit, Sent, audit},
-    phone::{Fate, Outgoing, ResendPolicy, Trace, deliver},
+    phone::{Fate, Outgoing, ResendPolicy, Trace, deliver, wait_until},
     report::Report,
 };
 
@@ -280,7 +280,7 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
         let started = Instant::now();
         let mut first_copies = tokio::task::JoinSet::new();
         for (index, due) in dues.iter().enumerate() {
-            tokio::time::sleep_until(started + *due).await;
+            wait_until(started + *due).await;
             let (phones, plan, body) = (Arc::clone(&phones), Arc::clone(&plan), Arc::clone(&body));
             first_copies.spawn(async move {
                 let message = &plan[index];
@@ -312,7 +312,7 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
     let mut tasks = tokio::task::JoinSet::new();
     for index in order {
         let due = started + dues[index];
-        tokio::time::sleep_until(due).await;
+        wait_until(due).await;
         progress.due.fetch_add(1, Ordering::Relaxed);
         let (phones, plan, body, traces, progress) = (
             Arc::clone(&phones),

@@ -139,8 +139,20 @@ impl Client {
         let (mut sink, mut stream) = socket.split();
         let (out, mut outgoing) = mpsc::channel::<Message>(1024);
         tokio::spawn(async move {
-            while let Some(message) = outgoing.recv().await {
-                if sink.send(message).await.is_err() {
+            // Frames already queued go out in one write, then one flush.
+            'writing: while let Some(first) = outgoing.recv().await {
+                if sink.feed(first).await.is_err() {
+                    break;
+                }
+                for _ in 0..64 {
+                    let Ok(next) = outgoing.try_recv() else {
+                        break;
+                    };
+                    if sink.feed(next).await.is_err() {
+                        break 'writing;
+                    }
+                }
+                if sink.flush().await.is_err() {
                     break;
                 }
             }

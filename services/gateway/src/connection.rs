@@ -37,8 +37,21 @@ pub async fn run(
     let (out, mut outgoing) =
         mpsc::channel::<Message>(gateway.config.max_in_flight_per_connection * 2);
     let writer = tokio::spawn(async move {
-        while let Some(message) = outgoing.recv().await {
-            if sink.send(message).await.is_err() {
+        // Write every reply already queued, then flush once: under load one
+        // write carries many small ACKs, and none waits for a later one.
+        'writing: while let Some(first) = outgoing.recv().await {
+            if sink.feed(first).await.is_err() {
+                break;
+            }
+            for _ in 0..64 {
+                let Ok(next) = outgoing.try_recv() else {
+                    break;
+                };
+                if sink.feed(next).await.is_err() {
+                    break 'writing;
+                }
+            }
+            if sink.flush().await.is_err() {
                 break;
             }
         }
