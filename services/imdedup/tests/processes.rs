@@ -1,15 +1,13 @@
 //! The `imdedup` binary: the demo's verdict, and each service as its own
 //! process wired over real sockets, stopped by SIGTERM.
 
-use std::{
-    net::{SocketAddr, TcpListener},
-    process::{Child, Command, Stdio},
-    time::{Duration, Instant},
-};
+use std::{net::SocketAddr, process::Command};
 
 use imdedup_client::{Client, Encoding};
 
-const BIN: &str = env!("CARGO_BIN_EXE_imdedup");
+mod common;
+
+use common::{BIN, Service, free_addr, wait_listening};
 
 fn check_demo(extra: &[&str]) {
     let output = Command::new(BIN)
@@ -86,56 +84,6 @@ fn the_demo_refuses_nonsense_flags() {
     );
 }
 
-fn free_addr() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-}
-
-struct Service(Child);
-
-impl Service {
-    fn start(args: &[&str], data_dir: &std::path::Path) -> Self {
-        let child = Command::new(BIN)
-            .args(args)
-            .env("IMDEDUP_DATA_DIR", data_dir)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        Self(child)
-    }
-
-    /// SIGTERM, then the exit status within the grace period.
-    fn terminate(mut self) -> std::process::ExitStatus {
-        let pid = self.0.id().to_string();
-        assert!(
-            Command::new("kill")
-                .args(["-TERM", &pid])
-                .status()
-                .unwrap()
-                .success()
-        );
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            if let Some(status) = self.0.try_wait().unwrap() {
-                return status;
-            }
-            assert!(Instant::now() < deadline, "service ignored SIGTERM");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Service {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// A plain HTTP/1.1 GET on an admin port: the status code and the body.
 fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     use std::io::{Read, Write};
@@ -150,14 +98,6 @@ fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     let (head, body) = raw.split_once("\r\n\r\n").unwrap();
     let status = head.split(' ').nth(1).unwrap().parse().unwrap();
     (status, body.to_owned())
-}
-
-fn wait_listening(addr: SocketAddr) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(addr).is_err() {
-        assert!(Instant::now() < deadline, "nothing listens on {addr}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 #[test]

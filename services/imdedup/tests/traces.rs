@@ -2,64 +2,34 @@
 //! its spans over OTLP/gRPC to a receiver in this test, and they share the
 //! send's trace id.
 
-use std::{
-    collections::BTreeSet,
-    net::{SocketAddr, TcpListener},
-    process::{Child, Command, Stdio},
-    time::{Duration, Instant},
-};
+use std::{collections::BTreeSet, process::Command, time::Duration};
 
 use imdedup_client::{Client, Encoding};
 use imdedup_cluster::otlp_receiver::{OtlpReceiver, ReceivedSpan};
 
-const BIN: &str = env!("CARGO_BIN_EXE_imdedup");
+mod common;
 
-fn free_addr() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-}
+use common::{BIN, Service, free_addr, wait_listening};
 
-/// A service process exporting its spans to `otlp`; killed when dropped.
-struct Service(Child);
-
-impl Service {
-    fn start(args: &[&str], data_dir: &std::path::Path, otlp: &str) -> Self {
-        let child = Command::new(BIN)
-            .args(args)
-            .env("IMDEDUP_DATA_DIR", data_dir)
-            .env("RUST_LOG", "warn")
-            .env("OTEL_EXPORTER_OTLP_ENDPOINT", otlp)
-            .env("OTEL_BSP_SCHEDULE_DELAY", "100")
-            .env_remove("OTEL_SERVICE_NAME")
-            .env_remove("OTEL_RESOURCE_ATTRIBUTES")
-            .env_remove("OTEL_SDK_DISABLED")
-            .env_remove("OTEL_TRACES_EXPORTER")
-            .env_remove("OTEL_TRACES_SAMPLER")
-            .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-            .env_remove("OTEL_EXPORTER_OTLP_PROTOCOL")
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        Self(child)
+/// A service process exporting its spans to `otlp`, and nothing else's
+/// tracing settings.
+fn traced(args: &[&str], data_dir: &std::path::Path, otlp: &str) -> Service {
+    let mut command = common::command(args, data_dir);
+    command
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", otlp)
+        .env("OTEL_BSP_SCHEDULE_DELAY", "100");
+    for inherited in [
+        "OTEL_SERVICE_NAME",
+        "OTEL_RESOURCE_ATTRIBUTES",
+        "OTEL_SDK_DISABLED",
+        "OTEL_TRACES_EXPORTER",
+        "OTEL_TRACES_SAMPLER",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+    ] {
+        command.env_remove(inherited);
     }
-}
-
-impl Drop for Service {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn wait_listening(addr: SocketAddr) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(addr).is_err() {
-        assert!(Instant::now() < deadline, "nothing listens on {addr}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    Service::spawn(command)
 }
 
 fn find<'a>(spans: &'a [ReceivedSpan], service: &str, name: &str) -> Option<&'a ReceivedSpan> {
@@ -92,7 +62,7 @@ fn one_send_is_one_trace_across_gateway_ingest_and_storage() {
     let admins = [free_addr(), free_addr(), free_addr()].map(|a| a.to_string());
     let secret = "trace-test-secret-0123456789";
     let storage_url = format!("http://{storage_addr}");
-    let _storage = Service::start(
+    let _storage = traced(
         &[
             "storage",
             "--listen",
@@ -103,7 +73,7 @@ fn one_send_is_one_trace_across_gateway_ingest_and_storage() {
         dir.path(),
         &otlp,
     );
-    let _ingest = Service::start(
+    let _ingest = traced(
         &[
             "ingest",
             "--listen",
@@ -116,7 +86,7 @@ fn one_send_is_one_trace_across_gateway_ingest_and_storage() {
         dir.path(),
         &otlp,
     );
-    let _gateway = Service::start(
+    let _gateway = traced(
         &[
             "gateway",
             "--listen",

@@ -1,0 +1,82 @@
+//! Running the `imdedup` binary's services as processes, for the tests that
+//! need them apart (SIGTERM, one trace across processes).
+
+use std::{
+    net::{SocketAddr, TcpListener, TcpStream},
+    path::Path,
+    process::{Child, Command, ExitStatus, Stdio},
+    time::{Duration, Instant},
+};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_imdedup");
+
+/// A loopback address nothing listens on right now.
+pub fn free_addr() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+/// Wait until something accepts connections on `addr`.
+pub fn wait_listening(addr: SocketAddr) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect(addr).is_err() {
+        assert!(Instant::now() < deadline, "nothing listens on {addr}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `imdedup <args>` with its data in `data_dir`, quiet but for warnings.
+pub fn command(args: &[&str], data_dir: &Path) -> Command {
+    let mut command = Command::new(BIN);
+    command
+        .args(args)
+        .env("IMDEDUP_DATA_DIR", data_dir)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit());
+    command
+}
+
+/// A service process; killed when dropped.
+pub struct Service(Child);
+
+impl Service {
+    pub fn spawn(mut command: Command) -> Self {
+        Self(command.spawn().unwrap())
+    }
+
+    #[allow(dead_code, reason = "not every test binary stops services gently")]
+    pub fn start(args: &[&str], data_dir: &Path) -> Self {
+        Self::spawn(command(args, data_dir))
+    }
+
+    /// SIGTERM, then the exit status within the grace period.
+    #[allow(dead_code, reason = "not every test binary stops services gently")]
+    pub fn terminate(mut self) -> ExitStatus {
+        let pid = self.0.id().to_string();
+        assert!(
+            Command::new("kill")
+                .args(["-TERM", &pid])
+                .status()
+                .unwrap()
+                .success()
+        );
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if let Some(status) = self.0.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "service ignored SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
