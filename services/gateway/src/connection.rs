@@ -8,7 +8,6 @@ use futures_util::{SinkExt, StreamExt};
 use imdedup_core::{
     Error, convert,
     model::{ConversationId, HistoryQuery, Sender},
-    routing,
 };
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
@@ -181,18 +180,13 @@ async fn send(gateway: &Gateway, sender: Sender, cmd: SendCmd) -> Outbound {
     );
     let result = match validated {
         Ok(message) => {
-            let shard = routing::owner(gateway.shards.urls(), &message.conversation)
-                .and_then(|index| gateway.shards.urls().get(index))
-                .cloned();
-            let result = gateway
+            let (shard, result) = gateway
                 .shards
                 .send(message, gateway.config.send_timeout)
                 .await;
-            if let Some(shard) = shard {
-                gateway
-                    .metrics()
-                    .shard_replied(&shard, result.as_ref().map(|_| ()).map_err(Error::kind));
-            }
+            gateway
+                .metrics()
+                .shard_replied(shard, result.as_ref().map(|_| ()).map_err(Error::kind));
             result
         }
         Err(e) => Err(e),

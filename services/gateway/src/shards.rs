@@ -23,6 +23,8 @@ type SendBatcher = Batcher<pb::SendRequest, pb::SendResponse>;
 #[derive(Clone)]
 pub struct Shards {
     urls: Vec<String>,
+    /// Each shard's `shard` metric label (see [`shard_label`]).
+    labels: Vec<String>,
     batchers: Vec<SendBatcher>,
 }
 
@@ -51,6 +53,7 @@ impl Shards {
             .collect::<Result<_, Error>>()?;
         Ok(Self {
             urls: urls.to_vec(),
+            labels: urls.iter().map(|url| shard_label(url)).collect(),
             batchers: clients,
         })
     }
@@ -60,9 +63,21 @@ impl Shards {
     }
 
     /// Send `message` to the shard that owns its conversation, within
-    /// `timeout`.
-    pub async fn send(&self, message: NewMessage, timeout: Duration) -> Result<Ack, Error> {
+    /// `timeout`. Also returns that shard's metric label.
+    pub async fn send(&self, message: NewMessage, timeout: Duration) -> (&str, Result<Ack, Error>) {
         let index = self.owner(&message.conversation);
+        (
+            &self.labels[index],
+            self.send_to(index, message, timeout).await,
+        )
+    }
+
+    async fn send_to(
+        &self,
+        index: usize,
+        message: NewMessage,
+        timeout: Duration,
+    ) -> Result<Ack, Error> {
         let request = pb::SendRequest {
             sender: message.key.sender.as_str().to_owned(),
             client_msg_id: message.key.client_msg_id.into_bytes(),
@@ -94,6 +109,32 @@ impl Shards {
     }
 }
 
+/// The `shard` label of the shard at `url`: the first DNS label of its host
+/// (`http://imdedup-ingest-0.imdedup-ingest:7200` is `imdedup-ingest-0`,
+/// the pod's hostname and so the ingest's own default `--shard-name`), or
+/// `host:port` for an IP address.
+fn shard_label(url: &str) -> String {
+    let authority = url
+        .split_once("://")
+        .map_or(url, |(_, rest)| rest)
+        .split(['/', '?'])
+        .next()
+        .unwrap_or_default();
+    let host = match authority.rsplit_once(':') {
+        Some((host, port)) if port.chars().all(|c| c.is_ascii_digit()) => host,
+        _ => authority,
+    };
+    let is_ip = host
+        .trim_matches(['[', ']'])
+        .parse::<std::net::IpAddr>()
+        .is_ok();
+    if is_ip || host.is_empty() {
+        authority.to_owned()
+    } else {
+        host.split('.').next().unwrap_or(host).to_owned()
+    }
+}
+
 /// One `SendBatch` call; each send is answered as soon as it is decided,
 /// matched by its tag (its index in the batch).
 async fn send_batch(
@@ -122,4 +163,24 @@ async fn send_batch(
             Ok((index, Ok(answer)))
         });
     Ok(Box::pin(answers))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shard_label;
+
+    #[test]
+    fn a_shard_is_labelled_like_the_pod_that_serves_it() {
+        assert_eq!(
+            shard_label("http://imdedup-ingest-0.imdedup-ingest:7200"),
+            "imdedup-ingest-0"
+        );
+        assert_eq!(
+            shard_label("http://imdedup-ingest-1.imdedup-ingest.chat.svc.cluster.local:7200/"),
+            "imdedup-ingest-1"
+        );
+        assert_eq!(shard_label("http://ingest-a:7200"), "ingest-a");
+        assert_eq!(shard_label("http://127.0.0.1:7200"), "127.0.0.1:7200");
+        assert_eq!(shard_label("http://[::1]:7200"), "[::1]:7200");
+    }
 }
