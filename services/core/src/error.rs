@@ -73,7 +73,12 @@ impl ErrorKind {
                 Self::InvalidArgument
             }
             Code::Unauthenticated | Code::PermissionDenied => Self::Unauthenticated,
-            Code::Unavailable | Code::Cancelled | Code::Aborted => Self::Unavailable,
+            // A connection that broke shows up as `Unknown` ("transport
+            // error"); our servers never answer with it. For the caller the
+            // other service is unreachable: retry.
+            Code::Unavailable | Code::Cancelled | Code::Aborted | Code::Unknown => {
+                Self::Unavailable
+            }
             Code::DeadlineExceeded => Self::DeadlineExceeded,
             Code::ResourceExhausted => Self::Overloaded,
             _ => Self::Internal,

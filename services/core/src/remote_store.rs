@@ -148,10 +148,10 @@ async fn insert_batch(
                 format!("storage did not answer within {timeout:?}"),
             )
         })?
-        .map_err(hop_error)?
+        .map_err(Error::from)?
         .into_inner()
         .map(|answer| {
-            let answer = answer.map_err(hop_error)?;
+            let answer = answer.map_err(Error::from)?;
             let result = match answer.result {
                 Some(insert_result::Result::Ok(ok)) => Ok(ok),
                 Some(insert_result::Result::Error(e)) => Err(e.into()),
@@ -160,14 +160,4 @@ async fn insert_batch(
             Ok((answer.index as usize, result))
         });
     Ok(Box::pin(answers))
-}
-
-/// A failed call between services. A connection that broke shows up as
-/// `Unknown` ("transport error"): for the caller that is an unreachable
-/// service, so it is `Unavailable` (retryable) rather than `Internal`.
-pub fn hop_error(status: tonic::Status) -> Error {
-    match status.code() {
-        tonic::Code::Unknown => Error::unavailable(status.message().to_owned()),
-        _ => status.into(),
-    }
 }

@@ -9,7 +9,6 @@ use imdedup_core::{
     batch::{Answers, BatchLimits, Batcher, MAX_BATCH_MESSAGE_BYTES},
     convert,
     model::{Ack, ConversationId, NewMessage},
-    remote_store::hop_error,
     routing, telemetry,
 };
 use imdedup_proto::v1::{self as pb, ingest_service_client::IngestServiceClient, send_response};
@@ -155,10 +154,10 @@ async fn send_batch(
                 format!("ingest shard did not answer within {timeout:?}"),
             )
         })?
-        .map_err(hop_error)?
+        .map_err(Error::from)?
         .into_inner()
         .map(|answer| {
-            let answer = answer.map_err(hop_error)?;
+            let answer = answer.map_err(Error::from)?;
             let index = usize::try_from(answer.tag).unwrap_or(usize::MAX);
             Ok((index, Ok(answer)))
         });
