@@ -11,6 +11,8 @@
 #   - the README's parameter tables are what readme-generator makes of
 #     values.yaml
 #   - helm-unittest suites in k8s/imdedup/tests/
+#   - checksums (deploy/k8s/checksums.py): a configuration change moves the
+#     checksum annotations of exactly the pods it concerns
 #   - the binary check (deploy/k8s/check_config.py): every rendered imdedup
 #     container's args and environment are accepted by the real binary
 #     (`imdedup --check-config ...`), and every IMDEDUP_* variable it sets is
@@ -157,6 +159,11 @@ add_counts "$work/unittest.log" 'Tests:'
 if [ "$ut_ok" = 0 ] && ! grep -E '^\s*Tests:' "$work/unittest.log" | grep -qE '[1-9][0-9]* failed'; then
   failed=$((failed + 1)) # helm-unittest failed without counting a failed test
 fi
+
+# --- checksums: a configuration change rolls exactly the pods it concerns ----------------------
+"$PY" deploy/k8s/checksums.py "$BIN/helm" "$CHART" >"$work/checksums.log" 2>&1 || true
+grep -v -e '^checks:' -e 'found symbolic link in path' "$work/checksums.log" || true
+add_counts "$work/checksums.log" 'checks:'
 
 # --- the binary check ---------------------------------------------------------------------------
 echo "---- binary check ($IMDEDUP_BIN)"

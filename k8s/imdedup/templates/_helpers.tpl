@@ -188,6 +188,19 @@ per render (kept in .Values) so the Secret and its checksum agree.
 {{- end -}}
 {{- end -}}
 
+{{/* The chart's Secret's data, also hashed into the pods' checksum/secret annotation. */}}
+{{- define "imdedup.secretData" -}}
+{{- if not .Values.auth.existingSecret }}
+token-secret: {{ include "imdedup.tokenSecret" . | b64enc | quote }}
+{{- end }}
+{{- if and .Values.redis.password (not .Values.redis.existingSecret) }}
+redis-password: {{ .Values.redis.password | b64enc | quote }}
+{{- end }}
+{{- if and .Values.scylla.password (not .Values.scylla.existingSecret) }}
+scylla-password: {{ .Values.scylla.password | b64enc | quote }}
+{{- end }}
+{{- end -}}
+
 {{/* Whether the chart's Secret has anything to hold. */}}
 {{- define "imdedup.secretNeeded" -}}
 {{- if or (not .Values.auth.existingSecret) (and .Values.redis.password (not .Values.redis.existingSecret)) (and .Values.scylla.password (not .Values.scylla.existingSecret)) }}true{{ end -}}
@@ -412,9 +425,9 @@ change rolls the pods.
 {{- define "imdedup.checksums" -}}
 {{- $root := index . 0 -}}
 {{- $component := index . 1 -}}
-checksum/config: {{ include (print $root.Template.BasePath "/" $component "/configmap.yaml") $root | sha256sum }}
+checksum/config: {{ include (printf "imdedup.%s.configData" $component) $root | sha256sum }}
 {{- if include "imdedup.secretNeeded" $root }}
-checksum/secret: {{ include (print $root.Template.BasePath "/secret.yaml") $root | sha256sum }}
+checksum/secret: {{ include "imdedup.secretData" $root | sha256sum }}
 {{- end }}
 {{- end -}}
 

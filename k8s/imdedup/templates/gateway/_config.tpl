@@ -1,0 +1,14 @@
+{{/* The gateway ConfigMap's data, also hashed into its pods' checksum/config annotation. */}}
+{{- define "imdedup.gateway.configData" -}}
+IMDEDUP_GATEWAY_LISTEN: {{ printf "%s:%d" .Values.config.listenHost (int .Values.gateway.containerPorts.http) | quote }}
+IMDEDUP_ADMIN_LISTEN: {{ printf "%s:%d" .Values.config.listenHost (int .Values.gateway.containerPorts.admin) | quote }}
+# Derived from ingest.replicas; the ingest shards get the same list.
+IMDEDUP_SHARDS: {{ include "imdedup.ingest.shards" . | quote }}
+IMDEDUP_STORAGE_URL: {{ include "imdedup.storage.url" . | quote }}
+IMDEDUP_SEND_TIMEOUT: {{ .Values.gateway.config.sendTimeout | quote }}
+IMDEDUP_MAX_BODY_BYTES: {{ .Values.config.maxBodyBytes | quote }}
+IMDEDUP_MAX_CONNECTIONS: {{ .Values.gateway.config.maxConnections | quote }}
+IMDEDUP_MAX_IN_FLIGHT: {{ .Values.gateway.config.maxInFlight | quote }}
+IMDEDUP_GRACE: {{ printf "%ds" (int .Values.config.graceSeconds) | quote }}
+{{- include "imdedup.commonEnv" . | nindent 0 }}
+{{- end -}}
