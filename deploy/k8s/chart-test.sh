@@ -2,7 +2,7 @@
 # The Helm chart's offline checks (part of deploy/local/test.sh):
 #
 #   - helm lint --strict with the default values, each k8s/imdedup/ci/*.yaml
-#     and each k8s/examples/*-values.yaml
+#     and each k8s/examples/imdedup-*.yaml
 #   - helm template of each of them, every render validated by kubeconform
 #     -strict against the offline Kubernetes schemas (the chart's minimum and
 #     the newest version) and the ServiceMonitor/PrometheusRule CRD schemas
@@ -89,7 +89,7 @@ helm() { "$BIN/helm" "$@"; }
 
 # --- the values files: the defaults, ci/ and the examples ---------------------------------------
 values_files=("")
-for f in "$CHART"/ci/*.yaml k8s/examples/*-values.yaml; do
+for f in "$CHART"/ci/*.yaml k8s/examples/imdedup-*.yaml; do
   [ -e "$f" ] && values_files+=("$f")
 done
 name_of() { if [ -z "$1" ]; then echo default; else echo "$(basename "$(dirname "$1")")-$(basename "$1" .yaml)"; fi; }
@@ -118,6 +118,11 @@ kubeconform_all() { # render
 for r in "${renders[@]}"; do
   check "kubeconform -strict $K8S_VERSIONS ($(basename "$r" .yaml))" kubeconform_all "$r"
 done
+# The ScyllaCluster example: its ConfigMap (the operator's CRD schema is not available offline).
+check "kubeconform -strict (examples-scylla-cluster, ScyllaCluster skipped)" \
+  "$BIN/kubeconform" -strict -summary -skip ScyllaCluster \
+  -schema-location "$TOOLS/schemas/k8s/${K8S_VERSIONS##* }-standalone-strict/{{ .ResourceKind }}{{ .KindSuffix }}.json" \
+  k8s/examples/scylla-cluster.yaml
 
 # --- helm package: one source for the dashboard and the rules ----------------------------------
 package_check() {
