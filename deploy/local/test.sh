@@ -33,6 +33,12 @@ export IMDEDUP_TEST_REDIS_URL IMDEDUP_TEST_SCYLLA IMDEDUP_TEST_REDIS_CLUSTER
 
 cargo test --workspace --locked "$@"
 
+# The Helm chart's offline checks: lint, renders validated against the
+# Kubernetes and CRD schemas, helm-unittest, and every rendered container's
+# args and env through the binary's --check-config (tools install once into
+# ~/.cache/imdedup/tools).
+deploy/k8s/chart-test.sh
+
 # The Grafana dashboard and the Prometheus rules, proven against a real
 # Prometheus scraping a local cluster under load (installs prometheus once).
 # `cargo test` has built target/debug/imdedup and imdedup-load already.
