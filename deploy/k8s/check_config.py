@@ -239,7 +239,7 @@ def check_render(binary, path, results):
 def main():
     if len(sys.argv) < 3:
         raise SystemExit(__doc__)
-    binary = sys.argv[1]
+    binary = os.path.abspath(sys.argv[1])
     if not os.access(binary, os.X_OK):
         raise SystemExit(f"check_config: {binary} is not an executable (build it: cargo build -p imdedup)")
     results = []

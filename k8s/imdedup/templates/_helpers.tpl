@@ -287,6 +287,10 @@ from values (the migration Job has its own hook Secret).
   value: {{ $v.serialConsistency | quote }}
 - name: IMDEDUP_SCYLLA_TIMEOUT
   value: {{ $v.timeout | quote }}
+{{- if $v.localDc }}
+- name: IMDEDUP_SCYLLA_LOCAL_DC
+  value: {{ $v.localDc | quote }}
+{{- end }}
 {{- if hasKey . "migrate" }}
 - name: IMDEDUP_SCYLLA_MIGRATE
   value: {{ .migrate | quote }}
