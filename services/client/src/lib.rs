@@ -20,7 +20,7 @@ use imdedup_proto::{
     v1::{self as pb, client_frame, server_frame},
 };
 use prost::Message as _;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio_tungstenite::tungstenite::{self, Message, client::IntoClientRequest, http};
 
 /// How this client encodes its frames.
@@ -100,12 +100,21 @@ struct Pending {
     pulls: HashMap<String, Waiter>,
 }
 
+/// How the gateway closed a connection: the WebSocket close code (1001 going
+/// away, 1008 policy, 1009 too big) and reason, when it sent a close frame.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Closed {
+    pub code: Option<u16>,
+    pub reason: String,
+}
+
 /// One connection to the gateway.
 pub struct Client {
     encoding: Encoding,
     out: mpsc::Sender<Message>,
     pending: Arc<Mutex<Pending>>,
     unmatched: tokio::sync::Mutex<mpsc::UnboundedReceiver<Reply>>,
+    closed: watch::Receiver<Option<Closed>>,
     next_ref: AtomicU64,
     reply_timeout: std::time::Duration,
 }
@@ -160,13 +169,23 @@ impl Client {
         });
         let pending = Arc::new(Mutex::new(Pending::default()));
         let (unmatched_tx, unmatched) = mpsc::unbounded_channel();
+        let (closed_tx, closed) = watch::channel(None);
         let reader_pending = Arc::clone(&pending);
         tokio::spawn(async move {
+            let mut close = Closed::default();
             while let Some(Ok(message)) = stream.next().await {
                 let reply = match message {
                     Message::Text(text) => parse_json(text.as_bytes()),
                     Message::Binary(bytes) => parse_protobuf(&bytes),
-                    Message::Close(_) => break,
+                    Message::Close(frame) => {
+                        if let Some(frame) = frame {
+                            close = Closed {
+                                code: Some(frame.code.into()),
+                                reason: frame.reason.to_string(),
+                            };
+                        }
+                        break;
+                    }
                     _ => continue,
                 };
                 let Some(reply) = reply else { continue };
@@ -179,12 +198,14 @@ impl Client {
                 p.sends.clear();
                 p.pulls.clear();
             }
+            let _ = closed_tx.send(Some(close));
         });
         Ok(Self {
             encoding,
             out,
             pending,
             unmatched: tokio::sync::Mutex::new(unmatched),
+            closed,
             next_ref: AtomicU64::new(1),
             reply_timeout: DEFAULT_REPLY_TIMEOUT,
         })
@@ -210,6 +231,35 @@ impl Client {
         conversation: &str,
         body: &str,
     ) -> Result<Result<AckReply, ErrorReply>, ClientError> {
+        let reply = self.enqueue_send(id, conversation, body).await?;
+        self.send_reply(reply).await
+    }
+
+    /// Write several sends back to back, in this order, before waiting for
+    /// any reply (as a phone's outbox does after a reconnect); then wait
+    /// for each reply. Replies come in the order of `sends`.
+    pub async fn send_pipelined(
+        &self,
+        sends: &[(&[u8], &str, &str)],
+    ) -> Result<Vec<Result<AckReply, ErrorReply>>, ClientError> {
+        let mut waiting = Vec::with_capacity(sends.len());
+        for (id, conversation, body) in sends {
+            waiting.push(self.enqueue_send(id, conversation, body).await?);
+        }
+        let mut replies = Vec::with_capacity(waiting.len());
+        for reply in waiting {
+            replies.push(self.send_reply(reply).await?);
+        }
+        Ok(replies)
+    }
+
+    /// Queue a send frame for the socket; its reply arrives on the receiver.
+    async fn enqueue_send(
+        &self,
+        id: &[u8],
+        conversation: &str,
+        body: &str,
+    ) -> Result<oneshot::Receiver<Reply>, ClientError> {
         let frame = match self.encoding {
             Encoding::Json => {
                 let (id_text, id_b64) = json::id_to_json(id, false);
@@ -236,6 +286,13 @@ impl Client {
             .send(frame)
             .await
             .map_err(|_| ClientError::Closed)?;
+        Ok(rx)
+    }
+
+    async fn send_reply(
+        &self,
+        rx: oneshot::Receiver<Reply>,
+    ) -> Result<Result<AckReply, ErrorReply>, ClientError> {
         match self.wait(rx).await? {
             Reply::Ack(ack) => Ok(Ok(ack)),
             Reply::Error(e) => Ok(Err(e)),
@@ -311,6 +368,16 @@ impl Client {
     /// connection is closed.
     pub async fn next_unmatched(&self) -> Option<Reply> {
         self.unmatched.lock().await.recv().await
+    }
+
+    /// Wait until the gateway closes the connection; how it closed it.
+    pub async fn closed(&self) -> Closed {
+        let mut closed = self.closed.clone();
+        match closed.wait_for(Option::is_some).await {
+            Ok(close) => close.clone().unwrap_or_default(),
+            // The reader is gone without a word: closed all the same.
+            Err(_) => Closed::default(),
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Pending> {

@@ -16,6 +16,7 @@ use imdedup_core::{
     metrics::{GatewayMetrics, IngestMetrics, Registry, StoreMetrics, shard_registry},
     model::{DEFAULT_MAX_BODY_BYTES, Sender},
     remote_store::RemoteStore,
+    routing::{Shard, ShardMap},
     store::MessageStore,
     token::TokenKey,
 };
@@ -233,7 +234,16 @@ impl LocalCluster {
         let gateway_metrics = GatewayMetrics::register(&mut gateway_registry);
         let gateway = Arc::new(
             Gateway::new(GatewayConfig {
-                shards: ingest_addrs.iter().map(|a| format!("http://{a}")).collect(),
+                shards: ShardMap::new(
+                    ingest_addrs
+                        .iter()
+                        .enumerate()
+                        .map(|(index, addr)| Shard {
+                            name: format!("ingest-{index}"),
+                            url: format!("http://{addr}"),
+                        })
+                        .collect(),
+                )?,
                 storage: storage_url,
                 token_key: token_key.clone(),
                 send_timeout: options.send_timeout,

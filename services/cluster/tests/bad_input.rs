@@ -194,7 +194,63 @@ async fn a_token_that_expires_mid_connection_stops_sends() {
     .unwrap();
     let err = unmatched_error(&ana).await;
     assert_final(&err, "unauthenticated", "expired");
+    assert_eq!(
+        err.id.as_deref(),
+        Some(&b"m2"[..]),
+        "the answer names the send"
+    );
+    assert_eq!(ana.closed().await.code, Some(1008));
     let ben = connect(&cluster, "ben", Encoding::Json).await;
     assert_eq!(ben.full_history("c").await.unwrap().unwrap().len(), 1);
     cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frame_with_a_lone_surrogate_is_refused_by_id() {
+    let (cluster, _clock, _dir) = start().await;
+    let ana = connect(&cluster, "ana", Encoding::Json).await;
+    ana.send_raw(RawMessage::Text(
+        r#"{"type":"send","id":"s-1","conversation":"c","body":"half \ud800 a pair"}"#.into(),
+    ))
+    .await
+    .unwrap();
+    let err = unmatched_error(&ana).await;
+    assert_final(&err, "invalid_argument", "malformed frame");
+    assert_eq!(err.id.as_deref(), Some(&b"s-1"[..]));
+    assert!(ana.full_history("c").await.unwrap().unwrap().is_empty());
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frame_over_the_limit_closes_the_connection_with_1009() {
+    let (cluster, _clock, _dir) = start().await;
+    let ana = connect(&cluster, "ana", Encoding::Json).await;
+    let huge = "x".repeat(imdedup_gateway::MAX_FRAME_BYTES + 1);
+    ana.send_raw(RawMessage::Text(huge.into())).await.unwrap();
+    let closed = tokio::time::timeout(Duration::from_secs(5), ana.closed())
+        .await
+        .expect("the connection stayed open");
+    assert_eq!(closed.code, Some(1009), "{closed:?}");
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_shutting_down_answers_what_it_read_then_closes_with_1001() {
+    let (cluster, _clock, _dir) = start().await;
+    let ana = connect(&cluster, "ana", Encoding::Json).await;
+    let sends = (0..20).map(|i| {
+        let ana = &ana;
+        async move { ana.send(format!("d{i}").as_bytes(), "c", "before").await }
+    });
+    let shutdown = async {
+        // Let the frames reach the gateway first.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        cluster.shutdown().await;
+    };
+    let (replies, ()) = tokio::join!(futures_util::future::join_all(sends), shutdown);
+    for reply in replies {
+        let ack = reply.expect("a frame read was not answered").unwrap();
+        assert_eq!(ack.outcome, "stored");
+    }
+    assert_eq!(ana.closed().await.code, Some(1001));
 }

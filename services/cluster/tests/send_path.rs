@@ -244,6 +244,50 @@ async fn many_sends_in_flight_on_one_connection_get_unique_increasing_seqs(kind:
     h.cluster.shutdown().await;
 }
 
+async fn sends_pipelined_on_one_connection_are_stored_in_send_order(kind: Kind) {
+    let Some(h) = start(kind).await else { return };
+    let ana = h.connect("ana", Encoding::Json).await;
+    // 300 sends written back to back before any ACK comes back, as a
+    // phone's outbox does after a reconnect; a second conversation mixed in.
+    let planned: Vec<(String, &str, String)> = (0..300)
+        .map(|i| {
+            let conversation = if i % 3 == 0 { "side" } else { "main" };
+            (format!("o{i}"), conversation, i.to_string())
+        })
+        .collect();
+    let sends: Vec<(&[u8], &str, &str)> = planned
+        .iter()
+        .map(|(id, c, body)| (id.as_bytes(), *c, body.as_str()))
+        .collect();
+    let replies = ana.send_pipelined(&sends).await.unwrap();
+    let acks: Vec<(&str, usize, u64)> = replies
+        .into_iter()
+        .enumerate()
+        .map(|(i, reply)| (planned[i].1, i, reply.unwrap().seq))
+        .collect();
+    for conversation in ["main", "side"] {
+        let seqs: Vec<u64> = acks
+            .iter()
+            .filter(|(c, _, _)| *c == conversation)
+            .map(|(_, _, seq)| *seq)
+            .collect();
+        let reordered = seqs.windows(2).filter(|w| w[0] >= w[1]).count();
+        assert_eq!(reordered, 0, "{conversation}: seqs in send order: {seqs:?}");
+        let bodies: Vec<String> = rows(&ana, conversation)
+            .await
+            .into_iter()
+            .map(|m| m.body)
+            .collect();
+        let sent: Vec<String> = acks
+            .iter()
+            .filter(|(c, _, _)| *c == conversation)
+            .map(|(_, i, _)| i.to_string())
+            .collect();
+        assert_eq!(bodies, sent, "{conversation}: history in send order");
+    }
+    h.cluster.shutdown().await;
+}
+
 async fn storage_down_gives_a_retryable_error_and_the_resend_is_stored(kind: Kind) {
     let Some(mut h) = start(kind).await else {
         return;
@@ -348,6 +392,7 @@ on_both_backends!(
     the_sender_comes_from_the_token_not_the_frame,
     binary_protobuf_frames_work_end_to_end,
     many_sends_in_flight_on_one_connection_get_unique_increasing_seqs,
+    sends_pipelined_on_one_connection_are_stored_in_send_order,
     storage_down_gives_a_retryable_error_and_the_resend_is_stored,
     after_a_storage_restart_earlier_messages_are_still_caught,
     a_whole_cluster_restart_keeps_the_messages_and_the_guarantee,

@@ -1,15 +1,15 @@
 //! One phone connection: frames in, ACKs and pages out, several sends in
 //! flight at once.
 
-use std::{sync::Arc, time::Instant};
+use std::{collections::HashMap, sync::Arc, time::Instant};
 
-use axum::extract::ws::{Message, WebSocket};
+use axum::extract::ws::{CloseFrame, Message, WebSocket, close_code};
 use futures_util::{SinkExt, StreamExt};
 use imdedup_core::{
     Error, convert,
     model::{ConversationId, HistoryQuery, Sender},
 };
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 use crate::{
@@ -59,9 +59,15 @@ pub async fn run(
 
     let in_flight = Arc::new(Semaphore::new(gateway.config.max_in_flight_per_connection));
     let tasks = TaskTracker::new();
+    let mut order = SendOrder::default();
+    // How the connection ends, when the gateway ends it.
+    let mut close: Option<CloseFrame> = None;
     loop {
         let next = tokio::select! {
-            () = shutdown.cancelled() => break,
+            () = shutdown.cancelled() => {
+                close = Some(close_frame(close_code::AWAY, "server shutting down; reconnect"));
+                break;
+            }
             next = stream.next() => next,
         };
         let (encoding, bytes) = match next {
@@ -71,26 +77,44 @@ pub async fn run(
             Some(Ok(Message::Close(_))) | None => break,
             Some(Err(e)) => {
                 tracing::debug!(error = %e, "websocket read failed");
+                if frame_too_big(&e) {
+                    close = Some(close_frame(
+                        close_code::SIZE,
+                        "frame larger than the gateway accepts",
+                    ));
+                }
                 break;
             }
         };
         let read_at = Instant::now();
+        let decoded = frames::decode(encoding, &bytes);
         if gateway.config.clock.unix_seconds() >= session.expires_at_unix {
+            // Answer the frame that found the token expired, named like any
+            // other answer, then end the connection.
+            let to = match &decoded {
+                Ok(Inbound::Send(cmd)) => ReplyTo::send(cmd),
+                Ok(Inbound::History(cmd)) => ReplyTo::history(cmd),
+                Err((to, _)) => to.clone(),
+            };
+            let is_send = to.reference.is_none();
             let reply = frames::encode(
                 encoding,
                 Outbound::Error {
-                    to: ReplyTo::default(),
+                    to,
                     error: Error::unauthenticated("token has expired; reconnect with a new one"),
                 },
             );
-            gateway.metrics().send_answered(
-                Err(imdedup_core::ErrorKind::Unauthenticated),
-                read_at.elapsed(),
-            );
+            if is_send {
+                gateway.metrics().send_answered(
+                    Err(imdedup_core::ErrorKind::Unauthenticated),
+                    read_at.elapsed(),
+                );
+            }
             let _ = out.send(message(reply)).await;
+            close = Some(close_frame(close_code::POLICY, "token expired"));
             break;
         }
-        let inbound = match frames::decode(encoding, &bytes) {
+        let inbound = match decoded {
             Ok(inbound) => inbound,
             Err((to, error)) => {
                 // A malformed send (not a pull) is a send answered with an error.
@@ -115,11 +139,21 @@ pub async fn run(
         let gateway = Arc::clone(&gateway);
         let sender = session.sender.clone();
         let out = out.clone();
+        let turn = match &inbound {
+            Inbound::Send(cmd) => Some(order.next(&cmd.conversation)),
+            Inbound::History(_) => None,
+        };
         tasks.spawn(async move {
             match inbound {
                 Inbound::Send(cmd) => {
                     let in_flight = gateway.metrics().send_started();
+                    let turn = match turn {
+                        Some(turn) => Some(turn.wait().await),
+                        None => None,
+                    };
                     let reply = send(&gateway, sender, cmd).await;
+                    // The next send of this conversation may go now.
+                    drop(turn);
                     let result = match &reply {
                         Outbound::Ack { ack, .. } => Ok(ack.outcome),
                         Outbound::Error { error, .. } => Err(error.kind()),
@@ -141,10 +175,73 @@ pub async fn run(
             drop(permit);
         });
     }
+    // Every frame read so far is answered before the connection closes.
     tasks.close();
     tasks.wait().await;
+    if let Some(frame) = close {
+        let _ = out.send(Message::Close(Some(frame))).await;
+    }
     drop(out);
     let _ = writer.await;
+}
+
+fn close_frame(code: u16, reason: &'static str) -> CloseFrame {
+    CloseFrame {
+        code,
+        reason: reason.into(),
+    }
+}
+
+/// Whether a read failed because the phone's frame was over the size limit.
+/// axum boxes the WebSocket library's error, so only its text says so.
+fn frame_too_big(error: &axum::Error) -> bool {
+    let text = error.to_string();
+    text.contains("Message too long") || text.contains("Frame too long")
+}
+
+/// Keeps the sends of one conversation on one connection in the order the
+/// phone sent them: each waits until the one before it has been answered, so
+/// seqs follow send order. Sends to other conversations do not wait.
+#[derive(Default)]
+struct SendOrder {
+    /// Per conversation, the signal that its latest send was answered.
+    last: HashMap<String, oneshot::Receiver<()>>,
+}
+
+/// A send's place in its conversation's order.
+struct Turn {
+    after: Option<oneshot::Receiver<()>>,
+    done: oneshot::Sender<()>,
+}
+
+/// Held while a send is in progress; dropping it (and so its sender) lets
+/// the next one go.
+struct Going {
+    _done: oneshot::Sender<()>,
+}
+
+impl SendOrder {
+    fn next(&mut self, conversation: &str) -> Turn {
+        if self.last.len() >= 64 {
+            // Forget conversations whose last send was answered.
+            self.last
+                .retain(|_, rx| matches!(rx.try_recv(), Err(oneshot::error::TryRecvError::Empty)));
+        }
+        let (done, rx) = oneshot::channel();
+        let after = self.last.insert(conversation.to_owned(), rx);
+        Turn { after, done }
+    }
+}
+
+impl Turn {
+    /// Wait until the previous send of the conversation was answered (or
+    /// dropped).
+    async fn wait(self) -> Going {
+        if let Some(after) = self.after {
+            let _ = after.await;
+        }
+        Going { _done: self.done }
+    }
 }
 
 fn message(encoded: Encoded) -> Message {

@@ -126,7 +126,11 @@ fn decode_json(bytes: &[u8]) -> Result<Inbound, (ReplyTo, Error)> {
 
 /// Why a text frame is not a client frame, and the send or pull it names.
 fn explain_bad_json(bytes: &[u8], typed: &serde_json::Error) -> (ReplyTo, Error) {
-    let value: serde_json::Value = match serde_json::from_slice(bytes) {
+    // A lone surrogate escape ("\ud800") is not a Unicode scalar: the frame
+    // is refused, but read leniently to find which send it was.
+    let lenient = serde_json::from_slice(bytes)
+        .or_else(|e| serde_json::from_slice(&replace_lone_surrogates(bytes)).map_err(|_| e));
+    let value: serde_json::Value = match lenient {
         Ok(value) => value,
         Err(e) => {
             return (
@@ -151,6 +155,46 @@ fn explain_bad_json(bytes: &[u8], typed: &serde_json::Error) -> (ReplyTo, Error)
         )),
     };
     (to, error)
+}
+
+/// `bytes` with every `\uXXXX` escape of a lone UTF-16 surrogate replaced
+/// by `\ufffd`; surrogate pairs and every other byte are kept as they are.
+fn replace_lone_surrogates(bytes: &[u8]) -> Vec<u8> {
+    fn unit_at(bytes: &[u8], at: usize) -> Option<u16> {
+        let escape = bytes.get(at..at + 6)?;
+        if &escape[..2] != b"\\u" {
+            return None;
+        }
+        u16::from_str_radix(std::str::from_utf8(&escape[2..]).ok()?, 16).ok()
+    }
+    let high = |u: u16| (0xD800..0xDC00).contains(&u);
+    let low = |u: u16| (0xDC00..0xE000).contains(&u);
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut at = 0;
+    while at < bytes.len() {
+        if bytes[at] != b'\\' {
+            out.push(bytes[at]);
+            at += 1;
+            continue;
+        }
+        match unit_at(bytes, at) {
+            Some(u) if high(u) && unit_at(bytes, at + 6).is_some_and(low) => {
+                out.extend_from_slice(&bytes[at..at + 12]);
+                at += 12;
+            }
+            Some(u) if high(u) || low(u) => {
+                out.extend_from_slice(b"\\ufffd");
+                at += 6;
+            }
+            // Any other escape, `\\` included: copied whole, so the
+            // backslash it escapes never starts an escape of its own.
+            _ => {
+                out.extend_from_slice(&bytes[at..(at + 2).min(bytes.len())]);
+                at += 2;
+            }
+        }
+    }
+    out
 }
 
 fn decode_protobuf(bytes: &[u8]) -> Result<Inbound, (ReplyTo, Error)> {
@@ -313,6 +357,19 @@ mod tests {
         .unwrap_err();
         assert!(err.message().contains("body"), "{err}");
         assert_eq!(to.id.as_deref(), Some(&b"m1"[..]));
+    }
+
+    #[test]
+    fn a_lone_surrogate_is_refused_but_the_error_names_the_send() {
+        let frame = br#"{"type":"send","id":"m-7","conversation":"c","body":"x\ud800y"}"#;
+        let (to, error) = decode(Encoding::Json, frame).unwrap_err();
+        assert_eq!(to.id.as_deref(), Some(&b"m-7"[..]));
+        assert_eq!(error.kind(), imdedup_core::ErrorKind::InvalidArgument);
+        // Pairs and escaped backslashes are left alone.
+        assert_eq!(
+            replace_lone_surrogates(br#""\ud83d\ude00 \\ud800 \udc00""#),
+            br#""\ud83d\ude00 \\ud800 \ufffd""#
+        );
     }
 
     #[test]

@@ -22,6 +22,7 @@ use imdedup_core::{
     metrics::GatewayMetrics,
     model::{HistoryQuery, StoredMessage},
     remote_store::RemoteStore,
+    routing::ShardMap,
     store::MessageStore,
     token::TokenKey,
 };
@@ -36,9 +37,9 @@ pub const MAX_FRAME_BYTES: usize = 256 * 1024;
 
 #[derive(Clone)]
 pub struct GatewayConfig {
-    /// Ingest shard URLs; every gateway must list them in the same order-free
-    /// set so they agree on owners.
-    pub shards: Vec<String>,
+    /// The ingest shards; every gateway and ingest must have the same set of
+    /// names so they agree on owners.
+    pub shards: ShardMap,
     /// Storage service URL, for history pulls.
     pub storage: String,
     pub token_key: TokenKey,
@@ -62,7 +63,7 @@ pub struct Gateway {
 impl Gateway {
     pub fn new(config: GatewayConfig) -> Result<Self, Error> {
         Ok(Self {
-            shards: Shards::connect_lazy(&config.shards, config.send_timeout)?,
+            shards: Shards::connect_lazy(config.shards.clone(), config.send_timeout)?,
             storage: RemoteStore::connect_lazy(&config.storage, config.send_timeout)?,
             connections: Arc::new(Semaphore::new(config.max_connections)),
             metrics: GatewayMetrics::default(),

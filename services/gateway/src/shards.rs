@@ -8,36 +8,33 @@ use imdedup_core::{
     Error, ErrorKind,
     batch::{Answers, BatchLimits, Batcher, MAX_BATCH_MESSAGE_BYTES},
     convert,
-    model::{Ack, ConversationId, NewMessage},
-    routing, telemetry,
+    model::{Ack, NewMessage},
+    routing::ShardMap,
+    telemetry,
 };
 use imdedup_proto::v1::{self as pb, ingest_service_client::IngestServiceClient, send_response};
 use tonic::transport::{Channel, Endpoint};
 
 type SendBatcher = Batcher<pb::SendRequest, pb::SendResponse>;
 
-/// The configured ingest shards, each with a lazily connecting client. Sends
-/// to one shard travel in batches (`SendBatch`, see
+/// The ingest shards of the shard map, each with a lazily connecting
+/// client. Sends to one shard travel in batches (`SendBatch`, see
 /// [`imdedup_core::batch`]).
 #[derive(Clone)]
 pub struct Shards {
-    urls: Vec<String>,
-    /// Each shard's `shard` metric label (see [`shard_label`]).
-    labels: Vec<String>,
+    map: ShardMap,
     batchers: Vec<SendBatcher>,
 }
 
 impl Shards {
-    /// Clients for `urls` (`http://host:port`); none connects until used.
-    /// A batch gets `timeout` as its deadline. Must be called inside a Tokio
-    /// runtime.
-    pub fn connect_lazy(urls: &[String], timeout: Duration) -> Result<Self, Error> {
-        if urls.is_empty() {
-            return Err(Error::invalid("the ingest shard list is empty"));
-        }
-        let clients = urls
+    /// Clients for the shards of `map`; none connects until used. A batch
+    /// gets `timeout` as its deadline. Must be called inside a Tokio runtime.
+    pub fn connect_lazy(map: ShardMap, timeout: Duration) -> Result<Self, Error> {
+        let batchers = map
+            .shards()
             .iter()
-            .map(|url| {
+            .map(|shard| {
+                let url = &shard.url;
                 let endpoint = Endpoint::from_shared(url.clone())
                     .map_err(|e| Error::invalid(format!("bad ingest shard url {url:?}: {e}")))?
                     .connect_timeout(Duration::from_secs(2))
@@ -50,23 +47,19 @@ impl Shards {
                 }))
             })
             .collect::<Result<_, Error>>()?;
-        Ok(Self {
-            urls: urls.to_vec(),
-            labels: urls.iter().map(|url| shard_label(url)).collect(),
-            batchers: clients,
-        })
+        Ok(Self { map, batchers })
     }
 
-    pub fn urls(&self) -> &[String] {
-        &self.urls
+    pub fn map(&self) -> &ShardMap {
+        &self.map
     }
 
     /// Send `message` to the shard that owns its conversation, within
     /// `timeout`. Also returns that shard's metric label.
     pub async fn send(&self, message: NewMessage, timeout: Duration) -> (&str, Result<Ack, Error>) {
-        let index = self.owner(&message.conversation);
+        let index = self.map.owner(&message.conversation);
         (
-            &self.labels[index],
+            &self.map.shards()[index].name,
             self.send_to(index, message, timeout).await,
         )
     }
@@ -101,37 +94,6 @@ impl Shards {
             )),
         }
     }
-
-    fn owner(&self, conversation: &ConversationId) -> usize {
-        // `connect_lazy` refuses an empty list, so there is always an owner.
-        routing::owner(&self.urls, conversation).unwrap_or(0)
-    }
-}
-
-/// The `shard` label of the shard at `url`: the first DNS label of its host
-/// (`http://imdedup-ingest-0.imdedup-ingest:7200` is `imdedup-ingest-0`,
-/// the pod's hostname and so the ingest's own default `--shard-name`), or
-/// `host:port` for an IP address.
-fn shard_label(url: &str) -> String {
-    let authority = url
-        .split_once("://")
-        .map_or(url, |(_, rest)| rest)
-        .split(['/', '?'])
-        .next()
-        .unwrap_or_default();
-    let host = match authority.rsplit_once(':') {
-        Some((host, port)) if port.chars().all(|c| c.is_ascii_digit()) => host,
-        _ => authority,
-    };
-    let is_ip = host
-        .trim_matches(['[', ']'])
-        .parse::<std::net::IpAddr>()
-        .is_ok();
-    if is_ip || host.is_empty() {
-        authority.to_owned()
-    } else {
-        host.split('.').next().unwrap_or(host).to_owned()
-    }
 }
 
 /// One `SendBatch` call; each send is answered as soon as it is decided,
@@ -162,24 +124,4 @@ async fn send_batch(
             Ok((index, Ok(answer)))
         });
     Ok(Box::pin(answers))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::shard_label;
-
-    #[test]
-    fn a_shard_is_labelled_like_the_pod_that_serves_it() {
-        assert_eq!(
-            shard_label("http://imdedup-ingest-0.imdedup-ingest:7200"),
-            "imdedup-ingest-0"
-        );
-        assert_eq!(
-            shard_label("http://imdedup-ingest-1.imdedup-ingest.chat.svc.cluster.local:7200/"),
-            "imdedup-ingest-1"
-        );
-        assert_eq!(shard_label("http://ingest-a:7200"), "ingest-a");
-        assert_eq!(shard_label("http://127.0.0.1:7200"), "127.0.0.1:7200");
-        assert_eq!(shard_label("http://[::1]:7200"), "[::1]:7200");
-    }
 }

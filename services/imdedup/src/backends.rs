@@ -4,7 +4,6 @@
 use std::{path::PathBuf, time::Duration};
 
 use crate::services::duration;
-use anyhow::Context;
 use clap::Args;
 use imdedup_cluster::{Backends, ClusterOptions};
 use imdedup_ingest::{MemoryWindowOptions, RedisWindowOptions, window::DEFAULT_CLAIM_TTL};
@@ -88,12 +87,8 @@ impl RedisArgs {
         options.timeout = self.redis_timeout;
         options.ttl = ttl;
         options.claim_ttl = claim_ttl;
-        if let Some(ca) = &self.redis_ca {
-            options.ca_pem = Some(
-                std::fs::read(ca)
-                    .with_context(|| format!("cannot read --redis-ca {}", ca.display()))?,
-            );
-        }
+        options.ca_file = self.redis_ca.clone();
+        options.check()?;
         Ok(Some(options))
     }
 }
@@ -132,9 +127,25 @@ pub struct ScyllaArgs {
     /// Connect with TLS, trusting the CA in this PEM file.
     #[arg(long, env = "IMDEDUP_SCYLLA_CA")]
     pub scylla_ca: Option<PathBuf>,
+    /// The datacenter to talk to, with no failover to others. Required on a
+    /// cluster of several datacenters with LOCAL_SERIAL (the default), which
+    /// is linearizable within one datacenter only: give every ingest of a
+    /// deployment the same one.
+    #[arg(long, env = "IMDEDUP_SCYLLA_LOCAL_DC")]
+    pub scylla_local_dc: Option<String>,
     /// Deadline of each database request.
     #[arg(long, env = "IMDEDUP_SCYLLA_TIMEOUT", default_value = "2s", value_parser = duration)]
     pub scylla_timeout: Duration,
+    /// Create or update the schema at startup. Turn it off where a separate
+    /// step runs `imdedup migrate` (the Helm chart's hook), so that pods
+    /// never race on schema changes.
+    #[arg(
+        long,
+        env = "IMDEDUP_SCYLLA_MIGRATE",
+        default_value_t = true,
+        action = clap::ArgAction::Set
+    )]
+    pub scylla_migrate: bool,
 }
 
 impl ScyllaArgs {
@@ -160,6 +171,8 @@ impl ScyllaArgs {
         options.password = self.scylla_password.clone();
         options.tls_ca = self.scylla_ca.clone();
         options.request_timeout = self.scylla_timeout;
+        options.migrate = self.scylla_migrate;
+        options.local_dc = self.scylla_local_dc.clone();
         Ok(Some(options))
     }
 }

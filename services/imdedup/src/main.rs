@@ -19,6 +19,11 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[derive(Parser)]
 #[command(name = "imdedup", version, about, long_about = None)]
 struct Cli {
+    /// Check the command's flags and environment, print `config ok`, and
+    /// exit without binding a port or connecting anywhere (for deployment
+    /// checks such as the Helm chart's test).
+    #[arg(long, global = true)]
+    check_config: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -60,9 +65,30 @@ impl Command {
     }
 }
 
+impl Command {
+    /// `--check-config`: everything the command's flags say, checked as the
+    /// command itself would before its first I/O. The local clusters (demo,
+    /// dev) have nothing to check beyond parsing.
+    fn check(&self) -> anyhow::Result<()> {
+        match self {
+            Command::Demo(_) | Command::Dev(_) => Ok(()),
+            Command::Storage(args) => args.check(),
+            Command::Ingest(args) => args.check(),
+            Command::Gateway(args) => args.check(),
+            Command::Migrate(args) => args.check(),
+            Command::Token(args) => args.check(),
+        }
+    }
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    if cli.check_config {
+        cli.command.check()?;
+        println!("config ok");
+        return Ok(());
+    }
     let telemetry = match cli.command.telemetry_defaults() {
         Some((service, filter)) => Some(telemetry::init(service, filter)?),
         None => None,

@@ -11,12 +11,13 @@ use imdedup_core::{
     metrics::{GatewayMetrics, IngestMetrics, Registry, StoreMetrics, shard_registry},
     model::{DEFAULT_MAX_BODY_BYTES, Sender},
     remote_store::RemoteStore,
+    routing::{Ownership, ShardMap},
     store::MessageStore,
     token::TokenKey,
 };
 use imdedup_gateway::{Gateway, GatewayConfig};
-use imdedup_ingest::{Dedup, MemoryWindow, MemoryWindowOptions, RedisWindow};
-use imdedup_storage::{ScyllaStore, SqliteOptions, SqliteStore};
+use imdedup_ingest::{Dedup, MemoryWindow, MemoryWindowOptions, RedisWindow, RedisWindowOptions};
+use imdedup_storage::{ScyllaOptions, ScyllaStore, SqliteOptions, SqliteStore};
 
 use crate::backends::{RedisArgs, ScyllaArgs};
 use tokio::net::TcpListener;
@@ -69,6 +70,13 @@ pub struct IngestArgs {
     /// StatefulSet pod name such as imdedup-ingest-0).
     #[arg(long, env = "IMDEDUP_SHARD_NAME")]
     pub shard_name: Option<String>,
+    /// The shard map, as the gateways have it (`NAME=URL,...`). Given, this
+    /// shard answers only the conversations the map gives to its
+    /// --shard-name and refuses the others with a retryable error, so a
+    /// gateway routing by another map never has two shards write one
+    /// conversation.
+    #[arg(long, env = "IMDEDUP_SHARDS", value_delimiter = ',')]
+    pub shards: Vec<String>,
     /// URL of the storage service.
     #[arg(
         long,
@@ -116,8 +124,10 @@ pub struct GatewayArgs {
     /// Address of the admin HTTP server: /metrics, /healthz, /readyz.
     #[arg(long, env = "IMDEDUP_ADMIN_LISTEN", default_value = "127.0.0.1:9100")]
     pub admin_listen: SocketAddr,
-    /// Ingest shard URLs, comma-separated. Every gateway must have the same
-    /// set, so they agree on which shard owns a conversation.
+    /// The ingest shards, comma-separated `NAME=URL` entries
+    /// (`imdedup-ingest-0=http://imdedup-ingest-0.imdedup-ingest:7200`); a
+    /// bare URL is named by the first label of its host. Conversations are
+    /// routed by name: every gateway and ingest must have the same names.
     #[arg(long, env = "IMDEDUP_SHARDS", value_delimiter = ',', required = true)]
     pub shards: Vec<String>,
     /// URL of the storage service, for history pulls.
@@ -223,18 +233,40 @@ where
     result
 }
 
+/// What the storage flags say, checked, before any I/O.
+enum StorageBackend {
+    Scylla(ScyllaOptions),
+    Sqlite(SqliteOptions),
+}
+
+impl StorageArgs {
+    fn backend(&self) -> anyhow::Result<StorageBackend> {
+        Ok(match self.scylla.options()? {
+            Some(scylla) => StorageBackend::Scylla(scylla),
+            None => {
+                let mut options = SqliteOptions::new(self.data_dir.join("messages.db"));
+                options.max_batch = self.max_batch;
+                StorageBackend::Sqlite(options)
+            }
+        })
+    }
+
+    /// `--check-config`: the flags and environment parse and make sense.
+    pub fn check(&self) -> anyhow::Result<()> {
+        self.backend().map(drop)
+    }
+}
+
 pub async fn storage(args: StorageArgs) -> anyhow::Result<()> {
     let mut registry = Registry::default();
     let store_metrics = StoreMetrics::register(&mut registry);
-    let store: Arc<dyn MessageStore> = match args.scylla.options()? {
-        Some(mut scylla) => {
+    let store: Arc<dyn MessageStore> = match args.backend()? {
+        StorageBackend::Scylla(mut scylla) => {
             tracing::info!(nodes = ?scylla.nodes, keyspace = %scylla.keyspace, "storage on ScyllaDB");
             scylla.metrics = store_metrics;
             Arc::new(ScyllaStore::open(scylla).await?)
         }
-        None => {
-            let mut options = SqliteOptions::new(args.data_dir.join("messages.db"));
-            options.max_batch = args.max_batch;
+        StorageBackend::Sqlite(mut options) => {
             options.metrics = store_metrics;
             tracing::info!(db = %options.path.display(), "storage on embedded SQLite");
             Arc::new(SqliteStore::open(&options)?)
@@ -252,18 +284,58 @@ pub async fn storage(args: StorageArgs) -> anyhow::Result<()> {
     .await
 }
 
-pub async fn ingest(args: IngestArgs) -> anyhow::Result<()> {
-    if args.no_dedup {
-        anyhow::bail!(
-            "--no-dedup is refused outside local mode: it exists to demonstrate duplicates \
-             (imdedup demo --no-dedup, imdedup dev --no-dedup)"
-        );
+/// What the ingest flags say, checked, before any I/O.
+struct IngestPlan {
+    shard: String,
+    ownership: Option<Ownership>,
+    scylla: Option<ScyllaOptions>,
+    redis: Option<RedisWindowOptions>,
+}
+
+impl IngestArgs {
+    fn plan(&self) -> anyhow::Result<IngestPlan> {
+        if self.no_dedup {
+            anyhow::bail!(
+                "--no-dedup is refused outside local mode: it exists to demonstrate duplicates \
+                 (imdedup demo --no-dedup, imdedup dev --no-dedup)"
+            );
+        }
+        let shard = shard_name(self.shard_name.clone(), std::env::var("HOSTNAME").ok());
+        let ownership = if self.shards.is_empty() {
+            None
+        } else {
+            let map = ShardMap::parse(&self.shards).context("--shards")?;
+            Some(Ownership::new(map, &shard).context("--shards and --shard-name")?)
+        };
+        Ok(IngestPlan {
+            shard,
+            ownership,
+            scylla: self.scylla.options()?,
+            redis: self.redis.options(self.window_ttl, self.claim_ttl)?,
+        })
     }
-    let shard = shard_name(args.shard_name.clone(), std::env::var("HOSTNAME").ok());
+
+    /// `--check-config`: the flags and environment parse and make sense.
+    pub fn check(&self) -> anyhow::Result<()> {
+        let plan = self.plan()?;
+        if plan.scylla.is_none() {
+            RemoteStore::connect_lazy(&self.storage, self.storage_timeout).context("--storage")?;
+        }
+        Ok(())
+    }
+}
+
+pub async fn ingest(args: IngestArgs) -> anyhow::Result<()> {
+    let IngestPlan {
+        shard,
+        ownership,
+        scylla,
+        redis,
+    } = args.plan()?;
     let mut registry = Registry::default();
     let shard_metrics = shard_registry(&mut registry, &shard);
     let metrics = IngestMetrics::register(shard_metrics);
-    let store: Arc<dyn MessageStore> = match args.scylla.options()? {
+    let store: Arc<dyn MessageStore> = match scylla {
         Some(mut scylla) => {
             scylla.metrics = StoreMetrics::register(shard_metrics);
             Arc::new(ScyllaStore::open(scylla).await?)
@@ -273,7 +345,7 @@ pub async fn ingest(args: IngestArgs) -> anyhow::Result<()> {
             args.storage_timeout,
         )?),
     };
-    let window: Arc<dyn RecentWindow> = match args.redis.options(args.window_ttl, args.claim_ttl)? {
+    let window: Arc<dyn RecentWindow> = match redis {
         Some(redis) => Arc::new(
             RedisWindow::connect(redis)
                 .await?
@@ -288,9 +360,14 @@ pub async fn ingest(args: IngestArgs) -> anyhow::Result<()> {
             .with_metrics(metrics.window.clone()),
         ),
     };
-    let dedup = Arc::new(Dedup::new(window, store, args.storage_timeout).with_metrics(metrics));
+    let owns_all = ownership.is_none();
+    let mut dedup = Dedup::new(window, store, args.storage_timeout).with_metrics(metrics);
+    if let Some(ownership) = ownership {
+        dedup = dedup.with_ownership(ownership);
+    }
+    let dedup = Arc::new(dedup);
     let listener = bind(args.listen).await?;
-    tracing::info!(listen = %args.listen, storage = %args.storage, window_ttl = ?args.window_ttl, %shard, "ingest serving");
+    tracing::info!(listen = %args.listen, storage = %args.storage, window_ttl = ?args.window_ttl, %shard, owns_all, "ingest serving");
     let max_body = args.max_body_bytes;
     serve_with_admin(
         "ingest",
@@ -302,24 +379,35 @@ pub async fn ingest(args: IngestArgs) -> anyhow::Result<()> {
     .await
 }
 
+impl GatewayArgs {
+    fn config(&self) -> anyhow::Result<GatewayConfig> {
+        Ok(GatewayConfig {
+            shards: ShardMap::parse(&self.shards).context("--shards")?,
+            storage: self.storage.clone(),
+            token_key: TokenKey::new(self.token_secret.clone()).context("--token-secret")?,
+            send_timeout: self.send_timeout,
+            max_body_bytes: self.max_body_bytes,
+            max_connections: self.max_connections,
+            max_in_flight_per_connection: self.max_in_flight.max(1),
+            clock: Arc::new(SystemClock),
+        })
+    }
+
+    /// `--check-config`: the flags and environment parse and make sense
+    /// (the gateway's clients connect lazily, so building it does no I/O).
+    pub fn check(&self) -> anyhow::Result<()> {
+        Gateway::new(self.config()?)?;
+        Ok(())
+    }
+}
+
 pub async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
     let mut registry = Registry::default();
     let metrics = GatewayMetrics::register(&mut registry);
-    let gateway = Arc::new(
-        Gateway::new(GatewayConfig {
-            shards: args.shards.clone(),
-            storage: args.storage,
-            token_key: TokenKey::new(args.token_secret)?,
-            send_timeout: args.send_timeout,
-            max_body_bytes: args.max_body_bytes,
-            max_connections: args.max_connections,
-            max_in_flight_per_connection: args.max_in_flight.max(1),
-            clock: Arc::new(SystemClock),
-        })?
-        .with_metrics(metrics),
-    );
+    let gateway = Arc::new(Gateway::new(args.config()?)?.with_metrics(metrics));
     let listener = bind(args.listen).await?;
-    tracing::info!(listen = %args.listen, shards = ?args.shards, "gateway serving at ws://{}/v1/ws", args.listen);
+    let shards: Vec<_> = gateway.shards.map().names().collect();
+    tracing::info!(listen = %args.listen, ?shards, "gateway serving at ws://{}/v1/ws", args.listen);
     serve_with_admin(
         "gateway",
         args.grace,
@@ -330,14 +418,34 @@ pub async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
     .await
 }
 
+impl MigrateArgs {
+    fn options(&self) -> anyhow::Result<ScyllaOptions> {
+        self.scylla
+            .options()?
+            .context("migrate needs --scylla (or IMDEDUP_SCYLLA_NODES)")
+    }
+
+    /// `--check-config`: the flags and environment parse and make sense.
+    pub fn check(&self) -> anyhow::Result<()> {
+        self.options().map(drop)
+    }
+}
+
 pub async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
-    let Some(options) = args.scylla.options()? else {
-        anyhow::bail!("migrate needs --scylla (or IMDEDUP_SCYLLA_NODES)");
-    };
+    let options = args.options()?;
     let session = imdedup_storage::scylla::connect(&options).await?;
     imdedup_storage::scylla::migrate(&session, &options).await?;
     println!("keyspace {} is up to date", options.keyspace);
     Ok(())
+}
+
+impl TokenArgs {
+    /// `--check-config`: the flags and environment parse and make sense.
+    pub fn check(&self) -> anyhow::Result<()> {
+        TokenKey::new(self.token_secret.clone())?;
+        Sender::parse(self.user.clone())?;
+        Ok(())
+    }
 }
 
 pub fn token(args: TokenArgs) -> anyhow::Result<()> {
@@ -419,6 +527,39 @@ mod tests {
         );
         assert!(!shard_name(None, None).is_empty());
         assert_eq!(shard_name(Some(" ".into()), Some("pod-7".into())), "pod-7");
+    }
+
+    #[test]
+    fn an_ingest_given_the_shard_map_owns_only_its_share() {
+        let args = Wrap::<IngestArgs>::try_parse_from([
+            "ingest",
+            "--shards",
+            "ingest-0=http://a:7200,ingest-1=http://b:7200",
+            "--shard-name",
+            "ingest-1",
+        ])
+        .unwrap()
+        .inner;
+        assert!(args.plan().unwrap().ownership.is_some());
+        let alone = Wrap::<IngestArgs>::try_parse_from(["ingest"])
+            .unwrap()
+            .inner;
+        assert!(alone.plan().unwrap().ownership.is_none());
+    }
+
+    #[test]
+    fn migration_at_startup_can_be_left_to_a_separate_step() {
+        let parse = |extra: &[&str]| {
+            let mut argv = vec!["storage", "--scylla", "127.0.0.1:9042"];
+            argv.extend_from_slice(extra);
+            let args = Wrap::<StorageArgs>::try_parse_from(argv).unwrap().inner;
+            match args.backend().unwrap() {
+                StorageBackend::Scylla(options) => options.migrate,
+                StorageBackend::Sqlite(_) => panic!("--scylla means ScyllaDB"),
+            }
+        };
+        assert!(parse(&[]), "migrating at startup is the default");
+        assert!(!parse(&["--scylla-migrate", "false"]));
     }
 
     #[test]

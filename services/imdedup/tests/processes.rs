@@ -214,3 +214,199 @@ fn services_run_as_separate_processes_and_stop_on_sigterm() {
     }
     assert!(dir.path().join("messages.db").exists());
 }
+
+#[test]
+fn named_shards_route_by_name_and_each_ingest_accepts_what_the_gateway_sends_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (storage_addr, gateway_addr) = (free_addr(), free_addr());
+    let ingest_addrs = [free_addr(), free_addr()];
+    let secret = "process-test-secret-0123456789";
+    let storage_url = format!("http://{storage_addr}");
+    let admin = || free_addr().to_string();
+    let storage = Service::start(
+        &[
+            "storage",
+            "--listen",
+            &storage_addr.to_string(),
+            "--admin-listen",
+            &admin(),
+        ],
+        dir.path(),
+    );
+    // The ingests spell the URLs one way and list the shards in one order;
+    // the gateway another. Routing follows the names, so every send reaches
+    // the shard that owns its conversation, which accepts it.
+    let ingest_map = format!(
+        "shard-a=http://{},shard-b=http://{}",
+        ingest_addrs[0], ingest_addrs[1]
+    );
+    let gateway_map = format!(
+        "shard-b=http://localhost:{},shard-a=http://localhost:{}",
+        ingest_addrs[1].port(),
+        ingest_addrs[0].port()
+    );
+    let ingests: Vec<_> = ["shard-a", "shard-b"]
+        .iter()
+        .zip(ingest_addrs)
+        .map(|(name, addr)| {
+            Service::start(
+                &[
+                    "ingest",
+                    "--listen",
+                    &addr.to_string(),
+                    "--storage",
+                    &storage_url,
+                    "--admin-listen",
+                    &admin(),
+                    "--shard-name",
+                    name,
+                    "--shards",
+                    &ingest_map,
+                ],
+                dir.path(),
+            )
+        })
+        .collect();
+    let gateway = Service::start(
+        &[
+            "gateway",
+            "--listen",
+            &gateway_addr.to_string(),
+            "--shards",
+            &gateway_map,
+            "--storage",
+            &storage_url,
+            "--token-secret",
+            secret,
+            "--admin-listen",
+            &admin(),
+        ],
+        dir.path(),
+    );
+    for addr in [storage_addr, gateway_addr].into_iter().chain(ingest_addrs) {
+        wait_listening(addr);
+    }
+    let token = Command::new(BIN)
+        .args(["token", "--user", "ana", "--token-secret", secret])
+        .output()
+        .unwrap();
+    let token = String::from_utf8(token.stdout).unwrap().trim().to_owned();
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        let ana = Client::connect(
+            &format!("ws://{gateway_addr}/v1/ws"),
+            &token,
+            Encoding::Json,
+        )
+        .await
+        .unwrap();
+        for i in 0..40 {
+            let conversation = format!("c-{i}");
+            let ack = ana
+                .send(format!("n-{i}").as_bytes(), &conversation, "routed by name")
+                .await
+                .unwrap()
+                .unwrap_or_else(|e| panic!("{conversation}: {e:?}"));
+            assert_eq!(ack.outcome, "stored", "{conversation}");
+        }
+    });
+    assert!(gateway.terminate().success());
+    for ingest in ingests {
+        assert!(ingest.terminate().success());
+    }
+    assert!(storage.terminate().success());
+}
+
+/// `imdedup --check-config …`: exit status and output.
+fn check_config(args: &[&str], env: &[(&str, &str)]) -> (bool, String) {
+    let output = Command::new(BIN)
+        .arg("--check-config")
+        .args(args)
+        .env_clear()
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    (output.status.success(), text)
+}
+
+#[test]
+fn check_config_accepts_a_deployable_configuration_and_explains_a_wrong_one() {
+    let shards = "imdedup-ingest-0=http://imdedup-ingest-0.imdedup-ingest-headless:7200,\
+                  imdedup-ingest-1=http://imdedup-ingest-1.imdedup-ingest-headless:7200";
+    let secret = "a-token-secret-of-more-than-32-bytes";
+    let gateway = [
+        ("IMDEDUP_SHARDS", shards),
+        ("IMDEDUP_TOKEN_SECRET", secret),
+        ("IMDEDUP_GATEWAY_LISTEN", "0.0.0.0:7100"),
+    ];
+    assert_eq!(
+        check_config(&["gateway"], &gateway),
+        (true, "config ok\n".to_owned())
+    );
+    let ingest = [
+        ("IMDEDUP_SHARDS", shards),
+        ("IMDEDUP_SHARD_NAME", "imdedup-ingest-1"),
+        ("IMDEDUP_REDIS_URL", "redis://:secret@redis:6379"),
+        ("IMDEDUP_SCYLLA_NODES", "scylla-0:9042,scylla-1:9042"),
+        ("IMDEDUP_SCYLLA_MIGRATE", "false"),
+    ];
+    assert_eq!(
+        check_config(&["ingest"], &ingest),
+        (true, "config ok\n".to_owned())
+    );
+
+    let wrong = [
+        (
+            vec!["ingest"],
+            vec![
+                ("IMDEDUP_SHARDS", shards),
+                ("IMDEDUP_SHARD_NAME", "imdedup-ingest-2"),
+            ],
+            "not in the shard list",
+        ),
+        (
+            vec!["gateway"],
+            vec![
+                ("IMDEDUP_SHARDS", shards),
+                ("IMDEDUP_TOKEN_SECRET", "short"),
+            ],
+            "--token-secret",
+        ),
+        (
+            vec!["gateway", "--shards", "a=http://x:1,a=http://y:1"],
+            vec![("IMDEDUP_TOKEN_SECRET", secret)],
+            "twice",
+        ),
+        (
+            vec!["ingest"],
+            vec![("IMDEDUP_REDIS_URL", "http://redis:6379")],
+            "redis url",
+        ),
+        (
+            vec!["storage"],
+            vec![
+                ("IMDEDUP_SCYLLA_NODES", "s:9042"),
+                ("IMDEDUP_SCYLLA_CONSISTENCY", "most"),
+            ],
+            "most",
+        ),
+        (
+            vec!["ingest", "--scylla-migrate", "maybe"],
+            vec![],
+            "--scylla-migrate",
+        ),
+        (vec!["migrate"], vec![], "--scylla"),
+        (vec!["gateway", "--no-such-flag"], vec![], "--no-such-flag"),
+    ];
+    for (args, env, expected) in wrong {
+        let (ok, text) = check_config(&args, &env);
+        assert!(!ok, "{args:?} {env:?} was accepted: {text}");
+        assert!(text.contains(expected), "{args:?}: {text}");
+        assert!(!text.contains("secret@"), "a password leaked: {text}");
+    }
+}

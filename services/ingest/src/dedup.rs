@@ -13,6 +13,7 @@ use imdedup_core::{
     Error, ErrorKind,
     metrics::IngestMetrics,
     model::{Ack, NewMessage, Outcome, Receipt},
+    routing::Ownership,
     store::{Insert, MessageStore},
     window::{Claim, RecentWindow},
 };
@@ -66,6 +67,8 @@ pub struct Dedup {
     metrics: IngestMetrics,
     /// Store whatever arrives (a demonstration of the problem; local only).
     dedup_off: bool,
+    /// The conversations this shard may answer for; `None` answers all.
+    ownership: Option<Ownership>,
 }
 
 impl Dedup {
@@ -81,7 +84,16 @@ impl Dedup {
             stats: DedupStats::default(),
             metrics: IngestMetrics::default(),
             dedup_off: false,
+            ownership: None,
         }
+    }
+
+    /// Answer only the conversations `ownership` gives this shard; refuse
+    /// the others with a retryable error, so a gateway routing by another
+    /// shard map never has two shards write one conversation.
+    pub fn with_ownership(mut self, ownership: Ownership) -> Self {
+        self.ownership = Some(ownership);
+        self
     }
 
     /// Switch dedup off: every copy that arrives is stored again. Exists to
@@ -133,6 +145,9 @@ impl Dedup {
     }
 
     async fn decide(&self, message: NewMessage) -> Result<Ack, Error> {
+        if let Some(ownership) = &self.ownership {
+            ownership.check(&message.conversation)?;
+        }
         if self.dedup_off {
             let started = Instant::now();
             let row = tokio::time::timeout(
@@ -341,6 +356,29 @@ mod tests {
         let ack = dedup.send(message("m1")).await.unwrap();
         assert_eq!(ack.outcome, Outcome::Stored);
         assert_eq!(store.rows.lock().unwrap().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_shard_refuses_conversations_it_does_not_own_and_stores_nothing() {
+        use imdedup_core::routing::ShardMap;
+
+        let map = ShardMap::parse(&["a=http://a:1", "b=http://b:1"]).unwrap();
+        let owner = map.shards()[map.owner(&message("m1").conversation)]
+            .name
+            .clone();
+        let other = map.names().find(|name| *name != owner).unwrap().to_owned();
+        let store = Arc::new(FlakyStore::default());
+        let refusing =
+            dedup(Arc::clone(&store)).with_ownership(Ownership::new(map.clone(), &other).unwrap());
+        let err = refusing.send(message("m1")).await.unwrap_err();
+        assert!(err.retryable(), "{err}");
+        assert!(store.rows.lock().unwrap().is_empty());
+
+        let owning = dedup(Arc::clone(&store)).with_ownership(Ownership::new(map, &owner).unwrap());
+        assert_eq!(
+            owning.send(message("m1")).await.unwrap().outcome,
+            Outcome::Stored
+        );
     }
 
     #[tokio::test]

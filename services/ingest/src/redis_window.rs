@@ -110,9 +110,10 @@ pub struct RedisWindowOptions {
     /// Failures in a row that open the breaker, and how long it stays open.
     pub breaker_threshold: u32,
     pub breaker_cooldown: Duration,
-    /// PEM of the CA that signs the server certificate, for `rediss://`
-    /// URLs; without it the webpki roots are trusted.
-    pub ca_pem: Option<Vec<u8>>,
+    /// PEM file of the CA that signs the server certificate, for
+    /// `rediss://` URLs, read when connecting; without it the webpki roots
+    /// are trusted.
+    pub ca_file: Option<std::path::PathBuf>,
     /// Hashes per time bucket. Size it so a bucket hash holds up to ~100
     /// IDs at peak (IDs per second x bucket span / 100): Redis keeps hashes of
     /// up to 128 entries (`hash-max-listpack-entries`) in the compact form.
@@ -133,10 +134,25 @@ impl RedisWindowOptions {
             pending_wait: Duration::from_millis(50),
             breaker_threshold: 3,
             breaker_cooldown: Duration::from_secs(1),
-            ca_pem: None,
+            ca_file: None,
             shards: 8192,
             bucket_span: Duration::from_secs(60),
         }
+    }
+
+    /// Check the options without connecting: at least one URL, each one a
+    /// Redis URL (`redis://`, `rediss://`, `unix://`). The error does not
+    /// repeat the URL, which may hold a password.
+    pub fn check(&self) -> Result<(), Error> {
+        if self.urls.is_empty() {
+            return Err(Error::invalid("no redis url"));
+        }
+        for (index, url) in self.urls.iter().enumerate() {
+            redis::Client::open(url.as_str()).map_err(|e| {
+                Error::invalid(format!("redis url number {} is not valid: {e}", index + 1))
+            })?;
+        }
+        Ok(())
     }
 }
 
@@ -215,10 +231,16 @@ impl RedisWindow {
         if options.urls.is_empty() {
             return Err(Error::invalid("no redis url"));
         }
+        let ca_pem = match &options.ca_file {
+            Some(path) => Some(std::fs::read(path).map_err(|e| {
+                Error::invalid(format!("cannot read the redis CA {}: {e}", path.display()))
+            })?),
+            None => None,
+        };
         let connect_timeout = options.timeout.max(Duration::from_secs(1));
         let connection = if options.cluster {
             let mut builder = ClusterClient::builder(options.urls.clone());
-            if let Some(ca) = &options.ca_pem {
+            if let Some(ca) = &ca_pem {
                 builder = builder.certs(tls_roots(ca));
             }
             let client = builder
@@ -235,7 +257,7 @@ impl RedisWindow {
             Connection::Cluster(connection)
         } else {
             let url = options.urls[0].as_str();
-            let client = match &options.ca_pem {
+            let client = match &ca_pem {
                 Some(ca) => redis::Client::build_with_tls(url, tls_roots(ca)),
                 None => redis::Client::open(url),
             }

@@ -3,6 +3,7 @@
 //! one, and the history of a conversation by seq.
 
 pub mod grpc;
+pub mod locks;
 pub mod scylla;
 pub mod sqlite;
 

@@ -22,7 +22,7 @@
 //! history row is written again from the stored row (an idempotent write).
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeSet, HashMap},
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -38,13 +38,18 @@ use imdedup_core::{
     store::{Insert, MessageStore},
 };
 use scylla::{
-    client::{session::Session, session_builder::SessionBuilder},
+    client::{
+        execution_profile::ExecutionProfile, session::Session, session_builder::SessionBuilder,
+    },
+    policies::load_balancing::DefaultPolicy,
     response::query_result::QueryResult,
     statement::{Consistency, SerialConsistency, prepared::PreparedStatement},
     value::{CqlValue, Row},
 };
 use tokio::sync::Mutex;
 use tracing::Instrument;
+
+use crate::locks::LockTable;
 
 /// Settings of the ScyllaDB store.
 #[derive(Debug, Clone)]
@@ -65,8 +70,21 @@ pub struct ScyllaOptions {
     pub id_block: u64,
     /// Connect with TLS, trusting the CA in this PEM file.
     pub tls_ca: Option<std::path::PathBuf>,
+    /// Most inserts queued behind the one running for a conversation; more
+    /// are refused with `overloaded`.
+    pub max_waiting_per_conversation: usize,
+    /// The datacenter this process talks to: requests (and so every LWT's
+    /// Paxos round) go to its nodes only, never failing over to another.
+    /// Required on a cluster of several datacenters when the serial
+    /// consistency is LOCAL_SERIAL, which is linearizable within one
+    /// datacenter only.
+    pub local_dc: Option<String>,
     /// Where inserts, leases, errors and durations are counted.
     pub metrics: StoreMetrics,
+    /// Create or update the schema when opening the store. Off where a
+    /// separate step migrates (`imdedup migrate`, the Helm hook), so pods
+    /// never race on schema changes.
+    pub migrate: bool,
 }
 
 impl ScyllaOptions {
@@ -84,7 +102,10 @@ impl ScyllaOptions {
             seq_block: 100,
             id_block: 10_000,
             tls_ca: None,
+            max_waiting_per_conversation: 512,
+            local_dc: None,
             metrics: StoreMetrics::default(),
+            migrate: true,
         }
     }
 
@@ -146,7 +167,53 @@ pub async fn connect(options: &ScyllaOptions) -> Result<Session, Error> {
     if let Some(ca) = &options.tls_ca {
         builder = builder.tls_context(Some(tls_config(ca)?));
     }
-    builder.build().await.map_err(|e| db_error("connect", e))
+    if let Some(dc) = &options.local_dc {
+        let policy = DefaultPolicy::builder()
+            .prefer_datacenter(dc.clone())
+            .permit_dc_failover(false)
+            .token_aware(true)
+            .build();
+        let profile = ExecutionProfile::builder()
+            .load_balancing_policy(policy)
+            .build();
+        builder = builder.default_execution_profile_handle(profile.into_handle());
+    }
+    let session = builder.build().await.map_err(|e| db_error("connect", e))?;
+    let datacenters: BTreeSet<String> = session
+        .get_cluster_state()
+        .get_nodes_info()
+        .iter()
+        .filter_map(|node| node.datacenter.clone())
+        .collect();
+    check_datacenters(options, &datacenters)?;
+    Ok(session)
+}
+
+/// LWTs under LOCAL_SERIAL are linearizable only within one datacenter: two
+/// coordinators in two datacenters could both apply `IF NOT EXISTS` for one
+/// key. So on several datacenters, LOCAL_SERIAL needs a local datacenter
+/// with no failover (every LWT of this deployment in one datacenter), and
+/// the local datacenter must exist.
+fn check_datacenters(options: &ScyllaOptions, datacenters: &BTreeSet<String>) -> Result<(), Error> {
+    let listed = || datacenters.iter().cloned().collect::<Vec<_>>().join(", ");
+    match &options.local_dc {
+        Some(dc) if !datacenters.contains(dc) => Err(Error::invalid(format!(
+            "--scylla-local-dc {dc:?} is not a datacenter of this cluster ({})",
+            listed()
+        ))),
+        None if datacenters.len() > 1
+            && options.serial_consistency == SerialConsistency::LocalSerial =>
+        {
+            Err(Error::invalid(format!(
+                "the cluster has several datacenters ({}): LOCAL_SERIAL lightweight \
+                 transactions are linearizable within one datacenter only, so set \
+                 --scylla-local-dc (every ingest of a deployment in the same one), or \
+                 use --scylla-serial-consistency serial",
+                listed()
+            )))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// A TLS client configuration that trusts the CA certificates in `ca`.
@@ -378,18 +445,41 @@ struct Inner {
     session: Arc<Session>,
     statements: Statements,
     options: ScyllaOptions,
-    /// Seq blocks and the insert lock, per conversation.
-    conversations: moka::sync::Cache<String, Arc<Mutex<Block>>>,
+    /// One insert at a time per conversation, with a bounded queue.
+    locks: LockTable,
+    /// The seq block each conversation is using. Evicting one is harmless:
+    /// it is read and written back under the conversation's lock, and a
+    /// block forgotten leaves a gap, never a seq handed out twice.
+    seq_blocks: moka::sync::Cache<String, Block>,
     server_ids: Mutex<Block>,
 }
 
 impl ScyllaStore {
-    /// Connect, migrate, and prepare the statements.
+    /// Connect, migrate (unless `options.migrate` is off), and prepare the
+    /// statements.
     pub async fn open(options: ScyllaOptions) -> Result<Self, Error> {
         let session = connect(&options).await?;
-        migrate(&session, &options).await?;
+        let migrated = options.migrate;
+        if migrated {
+            migrate(&session, &options).await?;
+        }
         options.metrics.start_at_zero(DB_CASSANDRA);
-        Self::with_session(Arc::new(session), options).await
+        let keyspace = options.keyspace.clone();
+        Self::with_session(Arc::new(session), options)
+            .await
+            .map_err(|e| {
+                if migrated {
+                    e
+                } else {
+                    Error::new(
+                        e.kind(),
+                        format!(
+                            "{}; is keyspace {keyspace} migrated? (`imdedup migrate`)",
+                            e.message()
+                        ),
+                    )
+                }
+            })
     }
 
     /// Prepare the statements on an existing, migrated session.
@@ -460,7 +550,8 @@ impl ScyllaStore {
             inner: Arc::new(Inner {
                 session,
                 statements,
-                conversations: moka::sync::Cache::builder()
+                locks: LockTable::new(options.max_waiting_per_conversation),
+                seq_blocks: moka::sync::Cache::builder()
                     .max_capacity(1_000_000)
                     .time_to_idle(Duration::from_secs(600))
                     .build(),
@@ -588,13 +679,11 @@ impl Inner {
 
     async fn insert(&self, message: NewMessage) -> Result<Insert, Error> {
         let conversation = message.conversation.as_str().to_owned();
-        let slot = self.conversations.get_with(conversation.clone(), || {
-            Arc::new(Mutex::new(Block::default()))
-        });
         // One insert at a time per conversation: seqs follow storage order.
-        let mut seqs = slot.lock().await;
+        let locked = self.locks.lock(&conversation).await?;
+        let mut seqs = self.seq_blocks.get(&conversation).unwrap_or_default();
         if seqs.next >= seqs.end {
-            *seqs = self
+            seqs = self
                 .lease("seq", &conversation, self.options.seq_block, Some(seqs.end))
                 .await?;
         }
@@ -602,6 +691,7 @@ impl Inner {
         // out twice; only a definite "not applied" gives it back.
         let seq = seqs.next;
         seqs.next += 1;
+        self.seq_blocks.insert(conversation.clone(), seqs);
         let row = StoredMessage {
             receipt: Receipt {
                 server_id: self.next_server_id().await?,
@@ -652,7 +742,8 @@ impl Inner {
         } else {
             // A repeat: the seq was not used, keep it for the next message.
             seqs.next -= 1;
-            drop(seqs);
+            self.seq_blocks.insert(conversation, seqs);
+            drop(locked);
             let original = to_message(&existing)?;
             // Repairs a history row lost to a crash after the LWT.
             self.write_history(&original).await?;
@@ -730,6 +821,24 @@ mod tests {
             SerialConsistency::Serial
         );
         assert!(parse_consistency("most").is_err());
+    }
+
+    #[test]
+    fn local_serial_on_several_datacenters_needs_a_local_datacenter() {
+        let dcs = |names: &[&str]| names.iter().map(|n| n.to_string()).collect();
+        let mut options = ScyllaOptions::new(vec!["n:9042".into()]);
+        assert!(check_datacenters(&options, &dcs(&["dc1"])).is_ok());
+        let err = check_datacenters(&options, &dcs(&["dc1", "dc2"])).unwrap_err();
+        assert!(err.message().contains("--scylla-local-dc"), "{err}");
+
+        options.local_dc = Some("dc2".into());
+        assert!(check_datacenters(&options, &dcs(&["dc1", "dc2"])).is_ok());
+        let err = check_datacenters(&options, &dcs(&["dc1", "dc3"])).unwrap_err();
+        assert!(err.message().contains("not a datacenter"), "{err}");
+
+        options.local_dc = None;
+        options.serial_consistency = SerialConsistency::Serial;
+        assert!(check_datacenters(&options, &dcs(&["dc1", "dc2"])).is_ok());
     }
 
     #[test]
