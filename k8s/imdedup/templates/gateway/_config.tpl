@@ -10,5 +10,5 @@ IMDEDUP_MAX_BODY_BYTES: {{ .Values.config.maxBodyBytes | quote }}
 IMDEDUP_MAX_CONNECTIONS: {{ .Values.gateway.config.maxConnections | quote }}
 IMDEDUP_MAX_IN_FLIGHT: {{ .Values.gateway.config.maxInFlight | quote }}
 IMDEDUP_GRACE: {{ printf "%ds" (int .Values.config.graceSeconds) | quote }}
-{{- include "imdedup.commonEnv" . | nindent 0 }}
+{{- include "imdedup.commonEnv" . }}
 {{- end -}}

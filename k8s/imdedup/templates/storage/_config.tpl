@@ -7,5 +7,5 @@ IMDEDUP_DATA_DIR: {{ .Values.storage.persistence.mountPath | quote }}
 IMDEDUP_STORAGE_MAX_BATCH: {{ .Values.storage.config.maxBatch | quote }}
 {{- end }}
 IMDEDUP_GRACE: {{ printf "%ds" (int .Values.config.graceSeconds) | quote }}
-{{- include "imdedup.commonEnv" . | nindent 0 }}
+{{- include "imdedup.commonEnv" . }}
 {{- end -}}
