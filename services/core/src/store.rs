@@ -49,4 +49,9 @@ pub trait MessageStore: Send + Sync + 'static {
     async fn lookup(&self, key: &MessageKey) -> Result<Option<StoredMessage>, Error>;
 
     async fn history(&self, query: &HistoryQuery) -> Result<Vec<StoredMessage>, Error>;
+
+    /// Wait until inserts that run on their own, past a caller that gave up,
+    /// have finished: called at shutdown, so a stop never cuts between an
+    /// insert's writes.
+    async fn drain(&self) {}
 }

@@ -16,7 +16,9 @@ use imdedup_core::{
     token::TokenKey,
 };
 use imdedup_gateway::{Gateway, GatewayConfig};
-use imdedup_ingest::{Dedup, MemoryWindow, MemoryWindowOptions, RedisWindow, RedisWindowOptions};
+use imdedup_ingest::{
+    ConnectingWindow, Dedup, MemoryWindow, MemoryWindowOptions, RedisWindow, RedisWindowOptions,
+};
 use imdedup_storage::{ScyllaOptions, ScyllaStore, SqliteOptions, SqliteStore};
 
 use crate::backends::{RedisArgs, ScyllaArgs};
@@ -279,7 +281,11 @@ pub async fn storage(args: StorageArgs) -> anyhow::Result<()> {
         args.grace,
         args.admin_listen,
         registry,
-        move |stop| imdedup_storage::serve(listener, store, stop),
+        move |stop| async move {
+            let served = imdedup_storage::serve(listener, Arc::clone(&store), stop).await;
+            store.drain().await;
+            served
+        },
     )
     .await
 }
@@ -346,11 +352,19 @@ pub async fn ingest(args: IngestArgs) -> anyhow::Result<()> {
         )?),
     };
     let window: Arc<dyn RecentWindow> = match redis {
-        Some(redis) => Arc::new(
-            RedisWindow::connect(redis)
-                .await?
-                .with_metrics(metrics.window.clone()),
-        ),
+        // Redis down at start does not stop the shard: the window is
+        // bypassed (counted) until the connection is made in the background.
+        Some(redis) => {
+            let window_metrics = metrics.window.clone();
+            Arc::new(ConnectingWindow::spawn(move || {
+                let (redis, window_metrics) = (redis.clone(), window_metrics.clone());
+                async move {
+                    Ok(RedisWindow::connect(redis)
+                        .await?
+                        .with_metrics(window_metrics))
+                }
+            }))
+        }
         None => Arc::new(
             MemoryWindow::new(MemoryWindowOptions {
                 ttl: args.window_ttl,
@@ -361,11 +375,13 @@ pub async fn ingest(args: IngestArgs) -> anyhow::Result<()> {
         ),
     };
     let owns_all = ownership.is_none();
-    let mut dedup = Dedup::new(window, store, args.storage_timeout).with_metrics(metrics);
+    let mut dedup =
+        Dedup::new(window, Arc::clone(&store), args.storage_timeout).with_metrics(metrics);
     if let Some(ownership) = ownership {
         dedup = dedup.with_ownership(ownership);
     }
     let dedup = Arc::new(dedup);
+    let draining = Arc::clone(&store);
     let listener = bind(args.listen).await?;
     tracing::info!(listen = %args.listen, storage = %args.storage, window_ttl = ?args.window_ttl, %shard, owns_all, "ingest serving");
     let max_body = args.max_body_bytes;
@@ -374,7 +390,12 @@ pub async fn ingest(args: IngestArgs) -> anyhow::Result<()> {
         args.grace,
         args.admin_listen,
         registry,
-        move |stop| imdedup_ingest::serve(listener, dedup, max_body, stop),
+        move |stop| async move {
+            let served = imdedup_ingest::serve(listener, dedup, max_body, stop).await;
+            // Inserts whose callers went away still finish both writes.
+            draining.drain().await;
+            served
+        },
     )
     .await
 }

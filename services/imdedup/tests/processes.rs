@@ -410,3 +410,90 @@ fn check_config_accepts_a_deployable_configuration_and_explains_a_wrong_one() {
         assert!(!text.contains("secret@"), "a password leaked: {text}");
     }
 }
+
+#[test]
+fn an_ingest_started_while_redis_is_down_serves_with_the_window_bypassed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (storage_addr, ingest_addr, gateway_addr) = (free_addr(), free_addr(), free_addr());
+    let ingest_admin = free_addr();
+    let secret = "process-test-secret-0123456789";
+    let storage_url = format!("http://{storage_addr}");
+    let admin = free_addr().to_string();
+    let storage = Service::start(
+        &[
+            "storage",
+            "--listen",
+            &storage_addr.to_string(),
+            "--admin-listen",
+            &admin,
+        ],
+        dir.path(),
+    );
+    // Nothing listens at this Redis address.
+    let dead_redis = format!("redis://{}", free_addr());
+    let ingest = Service::start(
+        &[
+            "ingest",
+            "--listen",
+            &ingest_addr.to_string(),
+            "--storage",
+            &storage_url,
+            "--admin-listen",
+            &ingest_admin.to_string(),
+            "--redis",
+            &dead_redis,
+        ],
+        dir.path(),
+    );
+    let admin = free_addr().to_string();
+    let gateway = Service::start(
+        &[
+            "gateway",
+            "--listen",
+            &gateway_addr.to_string(),
+            "--shards",
+            &format!("http://{ingest_addr}"),
+            "--storage",
+            &storage_url,
+            "--token-secret",
+            secret,
+            "--admin-listen",
+            &admin,
+        ],
+        dir.path(),
+    );
+    for addr in [storage_addr, ingest_addr, gateway_addr, ingest_admin] {
+        wait_listening(addr);
+    }
+    let token = Command::new(BIN)
+        .args(["token", "--user", "ana", "--token-secret", secret])
+        .output()
+        .unwrap();
+    let token = String::from_utf8(token.stdout).unwrap().trim().to_owned();
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        let ana = Client::connect(
+            &format!("ws://{gateway_addr}/v1/ws"),
+            &token,
+            Encoding::Json,
+        )
+        .await
+        .unwrap();
+        let first = ana.send(b"r-1", "c", "no redis").await.unwrap().unwrap();
+        let again = ana.send(b"r-1", "c", "no redis").await.unwrap().unwrap();
+        assert_eq!(first.outcome, "stored");
+        // No window: the unique key recognises the resend.
+        assert_eq!(again.outcome, "duplicate_unique_key");
+        assert_eq!(again.seq, first.seq);
+    });
+    let (_, metrics) = http_get(ingest_admin, "/metrics");
+    let bypassed = metrics
+        .lines()
+        .find(|l| l.starts_with("imdedup_window_bypassed_total"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok());
+    assert_eq!(bypassed, Some(2.0), "{metrics}");
+    for service in [gateway, ingest, storage] {
+        assert!(service.terminate().success());
+    }
+}

@@ -3,6 +3,7 @@
 //! original ACK.
 
 pub mod breaker;
+pub mod connecting_window;
 pub mod dedup;
 pub mod grpc;
 pub mod redis_window;
@@ -16,6 +17,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::service::Routes;
 
+pub use connecting_window::ConnectingWindow;
 pub use dedup::{Dedup, DedupCounts};
 pub use grpc::IngestGrpc;
 pub use redis_window::{RedisWindow, RedisWindowOptions};

@@ -49,6 +49,8 @@ use scylla::{
 use tokio::sync::Mutex;
 use tracing::Instrument;
 
+use tokio_util::task::TaskTracker;
+
 use crate::locks::LockTable;
 
 /// Settings of the ScyllaDB store.
@@ -452,6 +454,8 @@ struct Inner {
     /// block forgotten leaves a gap, never a seq handed out twice.
     seq_blocks: moka::sync::Cache<String, Block>,
     server_ids: Mutex<Block>,
+    /// Inserts running in their own tasks, waited for by `drain`.
+    running: TaskTracker,
 }
 
 impl ScyllaStore {
@@ -556,6 +560,7 @@ impl ScyllaStore {
                     .time_to_idle(Duration::from_secs(600))
                     .build(),
                 server_ids: Mutex::new(Block::default()),
+                running: TaskTracker::new(),
                 options,
             }),
         })
@@ -786,7 +791,9 @@ impl MessageStore for ScyllaStore {
     async fn insert_once(&self, message: NewMessage) -> Result<Insert, Error> {
         let inner = Arc::clone(&self.inner);
         // In the caller's span: the LWT's span belongs to this send's trace.
-        tokio::spawn(async move { inner.insert_counted(message).await }.in_current_span())
+        let running = inner.running.clone();
+        running
+            .spawn(async move { inner.insert_counted(message).await }.in_current_span())
             .await
             .map_err(|e| Error::internal(format!("insert task failed: {e}")))?
     }
@@ -803,6 +810,11 @@ impl MessageStore for ScyllaStore {
         let result = self.history_uncounted(query).await;
         self.inner.record("history", started, &result);
         result
+    }
+
+    async fn drain(&self) {
+        self.inner.running.close();
+        self.inner.running.wait().await;
     }
 }
 
