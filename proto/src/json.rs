@@ -79,6 +79,12 @@ pub struct ErrorJson {
     pub code: String,
     pub retryable: bool,
     pub message: String,
+    /// `id_reused`: the server id of the message stored under this ID.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_id: Option<String>,
+    /// `id_reused`: the seq of the message stored under this ID.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seq: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -65,6 +65,9 @@ pub struct ErrorReply {
     pub code: String,
     pub retryable: bool,
     pub message: String,
+    /// `id_reused`: the server id and seq of the message already stored
+    /// under this ID.
+    pub original: Option<(u64, u64)>,
 }
 
 /// One stored message in a history page.
@@ -445,6 +448,10 @@ fn parse_json(bytes: &[u8]) -> Option<Reply> {
         ServerJson::Error(e) => Reply::Error(ErrorReply {
             id: id_bytes(e.id, e.id_b64),
             reference: e.reference,
+            original: match (e.server_id.and_then(|id| id.parse().ok()), e.seq) {
+                (Some(server_id), Some(seq)) => Some((server_id, seq)),
+                _ => None,
+            },
             code: e.code,
             retryable: e.retryable,
             message: e.message,
@@ -487,6 +494,7 @@ fn code_name(code: i32) -> String {
         pb::ErrorCode::DeadlineExceeded => "deadline_exceeded",
         pb::ErrorCode::Overloaded => "overloaded",
         pb::ErrorCode::Internal | pb::ErrorCode::Unspecified => "internal",
+        pb::ErrorCode::IdReused => "id_reused",
     }
     .to_owned()
 }
@@ -504,6 +512,8 @@ fn parse_protobuf(bytes: &[u8]) -> Option<Reply> {
         server_frame::Kind::Error(e) => Reply::Error(ErrorReply {
             id: (!e.client_msg_id.is_empty()).then_some(e.client_msg_id),
             reference: (!e.r#ref.is_empty()).then_some(e.r#ref),
+            original: (e.code == pb::ErrorCode::IdReused as i32)
+                .then_some((e.original_server_id, e.original_seq)),
             code: code_name(e.code),
             retryable: e.retryable,
             message: e.message,

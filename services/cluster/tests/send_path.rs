@@ -67,6 +67,55 @@ async fn a_resend_after_the_window_is_caught_by_the_unique_key(kind: Kind) {
     h.cluster.shutdown().await;
 }
 
+async fn an_id_reused_for_another_message_is_a_final_error_not_a_silent_ack(kind: Kind) {
+    let Some(h) = start(kind).await else { return };
+    for encoding in [Encoding::Json, Encoding::Protobuf] {
+        let ana = h.connect("ana", encoding).await;
+        let id = format!("reused-{encoding:?}");
+        let first = ana
+            .send(id.as_bytes(), "ana-ben", "lunch at one?")
+            .await
+            .unwrap()
+            .unwrap();
+        let check_refused =
+            |reply: Result<imdedup_client::AckReply, imdedup_client::ErrorReply>| {
+                let err = reply.expect_err("a different message under a used id was acknowledged");
+                assert_eq!(err.code, "id_reused", "{err:?}");
+                assert!(!err.retryable, "{err:?}");
+                assert_eq!(err.original, Some((first.server_id, first.seq)), "{err:?}");
+            };
+        // Another body, then another conversation: both refused, through the
+        // window and, once it forgot, through the unique key.
+        for round in 0..2 {
+            check_refused(ana.send(id.as_bytes(), "ana-ben", "dinner?").await.unwrap());
+            check_refused(
+                ana.send(id.as_bytes(), "ana-carl", "lunch at one?")
+                    .await
+                    .unwrap(),
+            );
+            // A true resend still gets the original ACK.
+            let again = ana
+                .send(id.as_bytes(), "ana-ben", "lunch at one?")
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!((again.server_id, again.seq), (first.server_id, first.seq));
+            if round == 0 {
+                h.expire_window().await;
+            }
+        }
+        let bodies: Vec<String> = rows(&ana, "ana-ben")
+            .await
+            .into_iter()
+            .filter(|m| m.id == id.as_bytes())
+            .map(|m| m.body)
+            .collect();
+        assert_eq!(bodies, ["lunch at one?"]);
+        assert!(rows(&ana, "ana-carl").await.is_empty());
+    }
+    h.cluster.shutdown().await;
+}
+
 async fn simultaneous_copies_through_two_ingest_instances_store_one_row(kind: Kind) {
     let Some(h) = start(kind).await else { return };
     let urls = h.cluster.ingest_urls();
@@ -389,6 +438,7 @@ on_both_backends!(
     a_resend_after_the_window_is_caught_by_the_unique_key,
     simultaneous_copies_through_two_ingest_instances_store_one_row,
     different_messages_are_never_merged,
+    an_id_reused_for_another_message_is_a_final_error_not_a_silent_ack,
     the_sender_comes_from_the_token_not_the_frame,
     binary_protobuf_frames_work_end_to_end,
     many_sends_in_flight_on_one_connection_get_unique_increasing_seqs,

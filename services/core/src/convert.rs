@@ -174,6 +174,7 @@ impl From<ErrorKind> for pb::ErrorCode {
             ErrorKind::DeadlineExceeded => Self::DeadlineExceeded,
             ErrorKind::Overloaded => Self::Overloaded,
             ErrorKind::Internal => Self::Internal,
+            ErrorKind::IdReused => Self::IdReused,
         }
     }
 }
@@ -186,6 +187,7 @@ pub fn error_kind(code: pb::ErrorCode) -> ErrorKind {
         pb::ErrorCode::DeadlineExceeded => ErrorKind::DeadlineExceeded,
         pb::ErrorCode::Overloaded => ErrorKind::Overloaded,
         pb::ErrorCode::Internal | pb::ErrorCode::Unspecified => ErrorKind::Internal,
+        pb::ErrorCode::IdReused => ErrorKind::IdReused,
     }
 }
 
@@ -195,13 +197,20 @@ impl From<Error> for pb::Error {
             code: pb::ErrorCode::from(e.kind()).into(),
             retryable: e.retryable(),
             message: e.message().to_owned(),
+            original_server_id: e.original().map_or(0, |r| r.server_id),
+            original_seq: e.original().map_or(0, |r| r.seq),
         }
     }
 }
 
 impl From<pb::Error> for Error {
     fn from(e: pb::Error) -> Self {
-        Error::new(error_kind(e.code()), e.message)
+        let kind = error_kind(e.code());
+        let original = (kind == ErrorKind::IdReused).then_some(Receipt {
+            server_id: e.original_server_id,
+            seq: e.original_seq,
+        });
+        Error::new(kind, e.message).with_original(original)
     }
 }
 

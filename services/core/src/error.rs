@@ -1,13 +1,16 @@
 //! The error kinds of imdedup, mapped once to gRPC status codes and to the
 //! `retryable` flag that phones see.
 //!
-//! Only two kinds are final for the phone: a malformed request and a bad
-//! token. Everything else means "not stored yet, resend with the same ID",
-//! which is always safe because a resend is recognised.
+//! Three kinds are final for the phone: a malformed request, a bad token,
+//! and a client message ID reused for another message. Everything else
+//! means "not stored yet, resend with the same ID", which is always safe
+//! because a resend is recognised.
 
 use std::fmt;
 
 use tonic::{Code, Status};
+
+use crate::model::Receipt;
 
 /// What went wrong, at the granularity a caller can act on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -24,22 +27,29 @@ pub enum ErrorKind {
     Overloaded,
     /// Anything else; nothing was acknowledged. Retry.
     Internal,
+    /// The client message ID is stored with another conversation or body:
+    /// not a resend but a new message under a used ID. Final.
+    IdReused,
 }
 
 impl ErrorKind {
     /// Every kind, for tables and metrics.
-    pub const ALL: [Self; 6] = [
+    pub const ALL: [Self; 7] = [
         Self::InvalidArgument,
         Self::Unauthenticated,
         Self::Unavailable,
         Self::DeadlineExceeded,
         Self::Overloaded,
         Self::Internal,
+        Self::IdReused,
     ];
 
     /// Whether the phone should resend the same message (same ID) later.
     pub fn retryable(self) -> bool {
-        !matches!(self, Self::InvalidArgument | Self::Unauthenticated)
+        !matches!(
+            self,
+            Self::InvalidArgument | Self::Unauthenticated | Self::IdReused
+        )
     }
 
     /// The stable name used in JSON client frames and logs.
@@ -51,6 +61,7 @@ impl ErrorKind {
             Self::DeadlineExceeded => "deadline_exceeded",
             Self::Overloaded => "overloaded",
             Self::Internal => "internal",
+            Self::IdReused => "id_reused",
         }
     }
 
@@ -63,6 +74,7 @@ impl ErrorKind {
             Self::DeadlineExceeded => Code::DeadlineExceeded,
             Self::Overloaded => Code::ResourceExhausted,
             Self::Internal => Code::Internal,
+            Self::IdReused => Code::AlreadyExists,
         }
     }
 
@@ -81,6 +93,7 @@ impl ErrorKind {
             }
             Code::DeadlineExceeded => Self::DeadlineExceeded,
             Code::ResourceExhausted => Self::Overloaded,
+            Code::AlreadyExists => Self::IdReused,
             _ => Self::Internal,
         }
     }
@@ -98,6 +111,8 @@ impl fmt::Display for ErrorKind {
 pub struct Error {
     kind: ErrorKind,
     message: String,
+    /// For `IdReused`: the receipt of the message stored under the ID.
+    original: Option<Receipt>,
 }
 
 impl Error {
@@ -105,7 +120,36 @@ impl Error {
         Self {
             kind,
             message: message.into(),
+            original: None,
         }
+    }
+
+    /// `id` is already stored as another message, whose receipt is
+    /// `original`.
+    pub fn id_reused(original: Receipt) -> Self {
+        Self {
+            original: Some(original),
+            ..Self::new(
+                ErrorKind::IdReused,
+                format!(
+                    "this client message id was already used for another message \
+                     (server id {}, seq {}), with another conversation or body; \
+                     give every new message a new id",
+                    original.server_id, original.seq
+                ),
+            )
+        }
+    }
+
+    /// The same error, carrying the receipt of the original message.
+    pub fn with_original(mut self, original: Option<Receipt>) -> Self {
+        self.original = original;
+        self
+    }
+
+    /// For `IdReused`: the receipt of the message stored under the ID.
+    pub fn original(&self) -> Option<Receipt> {
+        self.original
     }
 
     pub fn invalid(message: impl Into<String>) -> Self {
@@ -164,7 +208,11 @@ mod tests {
             .collect();
         assert_eq!(
             final_kinds,
-            [ErrorKind::InvalidArgument, ErrorKind::Unauthenticated]
+            [
+                ErrorKind::InvalidArgument,
+                ErrorKind::Unauthenticated,
+                ErrorKind::IdReused
+            ]
         );
     }
 

@@ -184,6 +184,36 @@ pub struct NewMessage {
     pub body: Body,
 }
 
+impl NewMessage {
+    pub fn fingerprint(&self) -> Fingerprint {
+        Fingerprint::of(&self.conversation, self.body.as_str())
+    }
+}
+
+/// A 64-bit digest of a message's conversation and body: a true resend has
+/// the fingerprint of the original; an ID reused for another message (almost
+/// surely) does not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint(pub u64);
+
+impl Fingerprint {
+    pub fn of(conversation: &ConversationId, body: &str) -> Self {
+        Self(crate::routing::stable_hash(&[
+            conversation.as_str().as_bytes(),
+            body.as_bytes(),
+        ]))
+    }
+}
+
+/// What the recent-ID window remembers of a stored message: its receipt,
+/// and its fingerprint when known (entries written before fingerprints were
+/// kept have none).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Remembered {
+    pub receipt: Receipt,
+    pub fingerprint: Option<Fingerprint>,
+}
+
 /// A message as stored: the original row, returned again for every repeat.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredMessage {
@@ -192,6 +222,12 @@ pub struct StoredMessage {
     pub body: String,
     pub receipt: Receipt,
     pub stored_at_ms: i64,
+}
+
+impl StoredMessage {
+    pub fn fingerprint(&self) -> Fingerprint {
+        Fingerprint::of(&self.conversation, &self.body)
+    }
 }
 
 /// What storage assigned to a message when it first stored it; every ACK for

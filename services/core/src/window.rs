@@ -6,7 +6,7 @@ use async_trait::async_trait;
 
 use crate::{
     Error,
-    model::{MessageKey, Receipt},
+    model::{MessageKey, Remembered},
 };
 
 /// Proof that one copy of a message holds the claim on its key, so only that
@@ -19,8 +19,9 @@ pub struct ClaimToken(pub String);
 pub enum Claim {
     /// Nothing known: this copy now holds a short-lived claim.
     Owned(ClaimToken),
-    /// A repeat of a stored message: answer with this receipt.
-    Seen(Receipt),
+    /// A repeat of a stored message: answer with its receipt (after checking
+    /// its fingerprint).
+    Seen(Remembered),
     /// Another copy holds the claim and has not finished; let the store
     /// decide.
     InFlight,
@@ -35,12 +36,13 @@ pub enum Claim {
 pub trait RecentWindow: Send + Sync + 'static {
     async fn claim(&self, key: &MessageKey) -> Result<Claim, Error>;
 
-    /// Replace this copy's claim with the stored receipt, for the window TTL.
+    /// Replace this copy's claim with the stored receipt and fingerprint,
+    /// for the window TTL.
     async fn remember(
         &self,
         key: &MessageKey,
         token: &ClaimToken,
-        receipt: Receipt,
+        remembered: Remembered,
     ) -> Result<(), Error>;
 
     /// Drop the claim, if it is still this copy's.

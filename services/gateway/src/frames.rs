@@ -269,6 +269,8 @@ fn to_json(frame: Outbound) -> ServerJson {
                 code: error.kind().as_str().to_owned(),
                 retryable: error.retryable(),
                 message: error.message().to_owned(),
+                server_id: error.original().map(|r| r.server_id.to_string()),
+                seq: error.original().map(|r| r.seq),
             })
         }
         Outbound::History {
@@ -316,6 +318,8 @@ fn to_protobuf(frame: Outbound) -> pb::ServerFrame {
             code: pb::ErrorCode::from(error.kind()).into(),
             retryable: error.retryable(),
             message: error.message().to_owned(),
+            original_server_id: error.original().map_or(0, |r| r.server_id),
+            original_seq: error.original().map_or(0, |r| r.seq),
         }),
         Outbound::History {
             reference,

@@ -26,8 +26,8 @@ use futures_util::{StreamExt, stream};
 use imdedup_core::{
     Error,
     model::{
-        Body, ClientMsgId, ConversationId, HistoryQuery, MessageKey, NewMessage, Outcome, Receipt,
-        Sender, StoredMessage,
+        Body, ClientMsgId, ConversationId, Fingerprint, HistoryQuery, MessageKey, NewMessage,
+        Outcome, Receipt, Remembered, Sender, StoredMessage,
     },
     store::{Insert, MessageStore},
     window::{Claim, RecentWindow},
@@ -241,9 +241,12 @@ async fn main() {
                     .remember(
                         &key,
                         &token,
-                        Receipt {
-                            server_id: i as u64 + 1,
-                            seq: i as u64 + 1,
+                        Remembered {
+                            receipt: Receipt {
+                                server_id: i as u64 + 1,
+                                seq: i as u64 + 1,
+                            },
+                            fingerprint: Some(Fingerprint(i as u64)),
                         },
                     )
                     .await

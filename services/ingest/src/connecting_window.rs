@@ -11,7 +11,7 @@ use std::{
 use async_trait::async_trait;
 use imdedup_core::{
     Error,
-    model::{MessageKey, Receipt},
+    model::{MessageKey, Remembered},
     window::{Claim, ClaimToken, RecentWindow},
 };
 use tokio::task::JoinHandle;
@@ -85,9 +85,9 @@ impl<W: RecentWindow> RecentWindow for ConnectingWindow<W> {
         &self,
         key: &MessageKey,
         token: &ClaimToken,
-        receipt: Receipt,
+        remembered: Remembered,
     ) -> Result<(), Error> {
-        self.get()?.remember(key, token, receipt).await
+        self.get()?.remember(key, token, remembered).await
     }
 
     async fn release(&self, key: &MessageKey, token: &ClaimToken) -> Result<(), Error> {

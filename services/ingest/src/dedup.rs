@@ -12,7 +12,7 @@ use std::{
 use imdedup_core::{
     Error, ErrorKind,
     metrics::IngestMetrics,
-    model::{Ack, NewMessage, Outcome, Receipt},
+    model::{Ack, NewMessage, Outcome, Receipt, Remembered},
     routing::Ownership,
     store::{Insert, MessageStore},
     window::{Claim, RecentWindow},
@@ -184,9 +184,15 @@ impl Dedup {
             }
         };
         let token = match claim {
-            Some(Claim::Seen(receipt)) => {
+            Some(Claim::Seen(remembered)) => {
+                if remembered
+                    .fingerprint
+                    .is_some_and(|f| f != message.fingerprint())
+                {
+                    return Err(Error::id_reused(remembered.receipt));
+                }
                 bump(&self.stats.duplicate_window);
-                return Ok(ack(&message, receipt, Outcome::DuplicateWindow));
+                return Ok(ack(&message, remembered.receipt, Outcome::DuplicateWindow));
             }
             Some(Claim::Owned(token)) => Some(token),
             Some(Claim::InFlight) => {
@@ -199,8 +205,12 @@ impl Dedup {
         let inserted = self.insert(message.clone()).await;
         match (&inserted, &token) {
             (Ok(insert), Some(token)) => {
-                let receipt = insert.message().receipt;
-                if let Err(e) = self.window.remember(&key, token, receipt).await {
+                let stored = insert.message();
+                let remembered = Remembered {
+                    receipt: stored.receipt,
+                    fingerprint: Some(stored.fingerprint()),
+                };
+                if let Err(e) = self.window.remember(&key, token, remembered).await {
                     tracing::warn!(error = %e, "cannot remember a stored id in the window");
                 }
             }
@@ -216,6 +226,9 @@ impl Dedup {
             Ok(Insert::Stored(row)) => {
                 bump(&self.stats.stored);
                 Ok(ack(&message, row.receipt, Outcome::Stored))
+            }
+            Ok(Insert::AlreadyStored(row)) if row.fingerprint() != message.fingerprint() => {
+                Err(Error::id_reused(row.receipt))
             }
             Ok(Insert::AlreadyStored(row)) => {
                 bump(&self.stats.duplicate_unique_key);
@@ -321,7 +334,12 @@ mod tests {
         async fn claim(&self, _: &MessageKey) -> Result<Claim, Error> {
             Err(Error::unavailable("window down"))
         }
-        async fn remember(&self, _: &MessageKey, _: &ClaimToken, _: Receipt) -> Result<(), Error> {
+        async fn remember(
+            &self,
+            _: &MessageKey,
+            _: &ClaimToken,
+            _: Remembered,
+        ) -> Result<(), Error> {
             Err(Error::unavailable("window down"))
         }
         async fn release(&self, _: &MessageKey, _: &ClaimToken) -> Result<(), Error> {

@@ -33,7 +33,7 @@ use async_trait::async_trait;
 use imdedup_core::{
     Error,
     metrics::WindowMetrics,
-    model::{MessageKey, Receipt},
+    model::{Fingerprint, MessageKey, Receipt, Remembered},
     routing::stable_hash,
     window::{Claim, ClaimToken, RecentWindow},
 };
@@ -397,11 +397,18 @@ fn tls_roots(ca_pem: &[u8]) -> redis::TlsCertificates {
     }
 }
 
-/// `A`, then the server id and the seq as LEB128 varints: 6 to 10 bytes for
-/// real values, small enough for Redis's smallest string allocations.
-fn encode_receipt(receipt: Receipt) -> Vec<u8> {
-    let mut out = Vec::with_capacity(21);
-    out.push(b'A');
+/// `B`, the server id and the seq as LEB128 varints, then the fingerprint
+/// as 8 little-endian bytes: 14 to 18 bytes for real values, small enough for
+/// Redis's smallest string allocations. Values written before fingerprints
+/// were kept start with `A` and end after the seq.
+fn encode_remembered(remembered: Remembered) -> Vec<u8> {
+    let mut out = Vec::with_capacity(29);
+    let receipt = remembered.receipt;
+    out.push(if remembered.fingerprint.is_some() {
+        b'B'
+    } else {
+        b'A'
+    });
     for mut v in [receipt.server_id, receipt.seq] {
         loop {
             let byte = (v & 0x7f) as u8;
@@ -413,12 +420,17 @@ fn encode_receipt(receipt: Receipt) -> Vec<u8> {
             out.push(byte | 0x80);
         }
     }
+    if let Some(Fingerprint(f)) = remembered.fingerprint {
+        out.extend_from_slice(&f.to_le_bytes());
+    }
     out
 }
 
-fn decode_receipt(value: &[u8]) -> Option<Receipt> {
-    let [b'A', rest @ ..] = value else {
-        return None;
+fn decode_remembered(value: &[u8]) -> Option<Remembered> {
+    let (with_fingerprint, rest) = match value {
+        [b'A', rest @ ..] => (false, rest),
+        [b'B', rest @ ..] => (true, rest),
+        _ => return None,
     };
     let mut numbers = [0u64; 2];
     let mut bytes = rest.iter();
@@ -436,12 +448,18 @@ fn decode_receipt(value: &[u8]) -> Option<Receipt> {
             shift += 7;
         }
     }
-    if bytes.next().is_some() {
-        return None;
-    }
-    Some(Receipt {
-        server_id: numbers[0],
-        seq: numbers[1],
+    let tail = bytes.as_slice();
+    let fingerprint = match (with_fingerprint, tail.len()) {
+        (false, 0) => None,
+        (true, 8) => Some(Fingerprint(u64::from_le_bytes(tail.try_into().ok()?))),
+        _ => return None,
+    };
+    Some(Remembered {
+        receipt: Receipt {
+            server_id: numbers[0],
+            seq: numbers[1],
+        },
+        fingerprint,
     })
 }
 
@@ -468,10 +486,10 @@ impl RecentWindow for RedisWindow {
         &self,
         key: &MessageKey,
         token: &ClaimToken,
-        receipt: Receipt,
+        remembered: Remembered,
     ) -> Result<(), Error> {
         let started = Instant::now();
-        let result = self.remember_key(key, token, receipt).await;
+        let result = self.remember_key(key, token, remembered).await;
         self.metrics.observe("remember", BACKEND, started.elapsed());
         result
     }
@@ -515,7 +533,7 @@ impl RedisWindow {
         let Some(previous) = previous else {
             return Ok(Claim::Owned(token));
         };
-        if let Some(receipt) = decode_receipt(&previous) {
+        if let Some(receipt) = decode_remembered(&previous) {
             return Ok(Claim::Seen(receipt));
         }
         // Another copy holds the claim: give it a moment to finish.
@@ -525,7 +543,7 @@ impl RedisWindow {
             tokio::time::sleep(step).await;
             match self.peek(&keys).await? {
                 Some(value) => {
-                    if let Some(receipt) = decode_receipt(&value) {
+                    if let Some(receipt) = decode_remembered(&value) {
                         return Ok(Claim::Seen(receipt));
                     }
                 }
@@ -540,7 +558,7 @@ impl RedisWindow {
         &self,
         key: &MessageKey,
         _token: &ClaimToken,
-        receipt: Receipt,
+        remembered: Remembered,
     ) -> Result<(), Error> {
         let keys = self.keys(key);
         let bucket_ttl = millis(self.options.ttl) + self.span_ms();
@@ -549,7 +567,7 @@ impl RedisWindow {
             .key(&keys.current)
             .key(&keys.pending)
             .arg(&keys.field)
-            .arg(encode_receipt(receipt))
+            .arg(encode_remembered(remembered))
             .arg(bucket_ttl);
         let mut connection = self.connection.clone();
         self.call("remember", invocation.invoke_async::<i64>(&mut connection))
@@ -574,19 +592,30 @@ mod tests {
 
     #[test]
     fn receipts_round_trip_and_pending_values_are_not_receipts() {
-        let receipt = Receipt {
-            server_id: u64::MAX - 1,
-            seq: 42,
+        let remembered = |server_id, seq, fingerprint: Option<u64>| Remembered {
+            receipt: Receipt { server_id, seq },
+            fingerprint: fingerprint.map(Fingerprint),
         };
-        assert_eq!(decode_receipt(&encode_receipt(receipt)), Some(receipt));
         let token = ClaimToken("0123456789abcdef0123456789abcdef".into());
-        assert_eq!(decode_receipt(&pending_value(&token)), None);
-        assert_eq!(decode_receipt(b"A123"), None);
+        assert_eq!(decode_remembered(&pending_value(&token)), None);
+        assert_eq!(decode_remembered(b"A123"), None);
         for (server_id, seq) in [(0, 0), (1, 1), (u64::MAX, u64::MAX), (300, 1 << 40)] {
-            let receipt = Receipt { server_id, seq };
-            assert_eq!(decode_receipt(&encode_receipt(receipt)), Some(receipt));
+            for fingerprint in [None, Some(0), Some(u64::MAX)] {
+                let value = remembered(server_id, seq, fingerprint);
+                assert_eq!(decode_remembered(&encode_remembered(value)), Some(value));
+            }
         }
-        assert_eq!(decode_receipt(&[b'A', 0x80]), None, "truncated varint");
-        assert_eq!(decode_receipt(&[b'A', 1, 1, 1]), None, "trailing bytes");
+        // A value written before fingerprints were kept.
+        assert_eq!(
+            decode_remembered(&[b'A', 42, 7]),
+            Some(remembered(42, 7, None))
+        );
+        assert_eq!(decode_remembered(&[b'A', 0x80]), None, "truncated varint");
+        assert_eq!(decode_remembered(&[b'A', 1, 1, 1]), None, "trailing bytes");
+        assert_eq!(
+            decode_remembered(&[b'B', 1, 1, 1]),
+            None,
+            "short fingerprint"
+        );
     }
 }

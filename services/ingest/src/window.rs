@@ -11,7 +11,7 @@ use imdedup_core::{
     Error,
     clock::{SharedClock, SystemClock},
     metrics::WindowMetrics,
-    model::{MessageKey, Receipt},
+    model::{MessageKey, Remembered},
     window::{Claim, ClaimToken, RecentWindow},
 };
 use moka::{ops::compute::Op, sync::Cache};
@@ -42,8 +42,14 @@ impl Default for MemoryWindowOptions {
 
 #[derive(Debug, Clone)]
 enum Entry {
-    Pending { token: ClaimToken, until: Instant },
-    Stored { receipt: Receipt, until: Instant },
+    Pending {
+        token: ClaimToken,
+        until: Instant,
+    },
+    Stored {
+        remembered: Remembered,
+        until: Instant,
+    },
 }
 
 impl Entry {
@@ -98,8 +104,8 @@ impl RecentWindow for MemoryWindow {
         self.entries
             .entry(key.to_bytes())
             .and_compute_with(|current| match current.map(|e| e.into_value()) {
-                Some(Entry::Stored { receipt, until }) if now < until => {
-                    claim = Some(Claim::Seen(receipt));
+                Some(Entry::Stored { remembered, until }) if now < until => {
+                    claim = Some(Claim::Seen(remembered));
                     Op::Nop
                 }
                 Some(pending @ Entry::Pending { .. }) if pending.live_at(now) => {
@@ -123,13 +129,13 @@ impl RecentWindow for MemoryWindow {
         &self,
         key: &MessageKey,
         _token: &ClaimToken,
-        receipt: Receipt,
+        remembered: Remembered,
     ) -> Result<(), Error> {
         // Whoever stored the row, the receipt is the same for every copy.
         let started = Instant::now();
         let until = self.clock.now() + self.options.ttl;
         self.entries
-            .insert(key.to_bytes(), Entry::Stored { receipt, until });
+            .insert(key.to_bytes(), Entry::Stored { remembered, until });
         self.metrics.observe("remember", BACKEND, started.elapsed());
         Ok(())
     }
@@ -167,9 +173,12 @@ mod tests {
         MemoryWindow::with_clock(MemoryWindowOptions::default(), Arc::new(clock.clone()))
     }
 
-    const RECEIPT: Receipt = Receipt {
-        server_id: 42,
-        seq: 7,
+    const RECEIPT: Remembered = Remembered {
+        receipt: imdedup_core::model::Receipt {
+            server_id: 42,
+            seq: 7,
+        },
+        fingerprint: Some(imdedup_core::model::Fingerprint(0xfeed)),
     };
 
     #[tokio::test]

@@ -9,7 +9,10 @@ use std::{
 };
 
 use imdedup_core::{
-    model::{Body, ClientMsgId, ConversationId, MessageKey, NewMessage, Outcome, Receipt, Sender},
+    model::{
+        Body, ClientMsgId, ConversationId, Fingerprint, MessageKey, NewMessage, Outcome, Receipt,
+        Remembered, Sender,
+    },
     window::{Claim, ClaimToken, RecentWindow},
 };
 use imdedup_ingest::{Dedup, MemoryWindow, MemoryWindowOptions, RedisWindow, RedisWindowOptions};
@@ -26,9 +29,12 @@ fn tag() -> String {
     uuid::Uuid::new_v4().simple().to_string()[..12].to_owned()
 }
 
-const RECEIPT: Receipt = Receipt {
-    server_id: 9_000_000_001,
-    seq: 77,
+const RECEIPT: Remembered = Remembered {
+    receipt: Receipt {
+        server_id: 9_000_000_001,
+        seq: 77,
+    },
+    fingerprint: Some(Fingerprint(0x5eed_cafe_f00d_1234)),
 };
 
 /// Claim, echo, in-flight, compare-and-delete: the same on every backend.
