@@ -495,6 +495,7 @@ fn code_name(code: i32) -> String {
         pb::ErrorCode::Overloaded => "overloaded",
         pb::ErrorCode::Internal | pb::ErrorCode::Unspecified => "internal",
         pb::ErrorCode::IdReused => "id_reused",
+        pb::ErrorCode::MaybeStored => "maybe_stored",
     }
     .to_owned()
 }

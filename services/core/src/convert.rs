@@ -171,6 +171,7 @@ impl From<ErrorKind> for pb::ErrorCode {
             ErrorKind::InvalidArgument => Self::InvalidArgument,
             ErrorKind::Unauthenticated => Self::Unauthenticated,
             ErrorKind::Unavailable => Self::Unavailable,
+            ErrorKind::MaybeStored => Self::MaybeStored,
             ErrorKind::DeadlineExceeded => Self::DeadlineExceeded,
             ErrorKind::Overloaded => Self::Overloaded,
             ErrorKind::Internal => Self::Internal,
@@ -188,6 +189,7 @@ pub fn error_kind(code: pb::ErrorCode) -> ErrorKind {
         pb::ErrorCode::Overloaded => ErrorKind::Overloaded,
         pb::ErrorCode::Internal | pb::ErrorCode::Unspecified => ErrorKind::Internal,
         pb::ErrorCode::IdReused => ErrorKind::IdReused,
+        pb::ErrorCode::MaybeStored => ErrorKind::MaybeStored,
     }
 }
 

@@ -2,9 +2,11 @@
 //! `retryable` flag that phones see.
 //!
 //! Three kinds are final for the phone: a malformed request, a bad token,
-//! and a client message ID reused for another message. Everything else
-//! means "not stored yet, resend with the same ID", which is always safe
-//! because a resend is recognised.
+//! and a client message ID reused for another message. The others ask for a
+//! resend with the same ID, which is always safe because a resend is
+//! recognised; they say whether the send is surely not stored
+//! (`Unavailable`, `Overloaded`) or may be (`MaybeStored`,
+//! `DeadlineExceeded`, `Internal`), where only the resend settles it.
 
 use std::fmt;
 
@@ -19,8 +21,13 @@ pub enum ErrorKind {
     InvalidArgument,
     /// The token is missing, forged or expired. Final for this token.
     Unauthenticated,
-    /// A backend (ingest, storage) cannot be reached. Retry.
+    /// A backend (ingest, storage) cannot be reached, or refused before
+    /// storing anything: surely not stored. Retry.
     Unavailable,
+    /// The send reached a backend that failed midway: it may be stored (the
+    /// insert's outcome is unknown, or the message is stored but its history
+    /// row is not written yet). The resend with the same ID settles it.
+    MaybeStored,
     /// A backend did not answer within the deadline. Retry.
     DeadlineExceeded,
     /// Too much work in flight; shed before doing any. Retry later.
@@ -34,10 +41,11 @@ pub enum ErrorKind {
 
 impl ErrorKind {
     /// Every kind, for tables and metrics.
-    pub const ALL: [Self; 7] = [
+    pub const ALL: [Self; 8] = [
         Self::InvalidArgument,
         Self::Unauthenticated,
         Self::Unavailable,
+        Self::MaybeStored,
         Self::DeadlineExceeded,
         Self::Overloaded,
         Self::Internal,
@@ -58,6 +66,7 @@ impl ErrorKind {
             Self::InvalidArgument => "invalid_argument",
             Self::Unauthenticated => "unauthenticated",
             Self::Unavailable => "unavailable",
+            Self::MaybeStored => "maybe_stored",
             Self::DeadlineExceeded => "deadline_exceeded",
             Self::Overloaded => "overloaded",
             Self::Internal => "internal",
@@ -71,6 +80,7 @@ impl ErrorKind {
             Self::InvalidArgument => Code::InvalidArgument,
             Self::Unauthenticated => Code::Unauthenticated,
             Self::Unavailable => Code::Unavailable,
+            Self::MaybeStored => Code::Unknown,
             Self::DeadlineExceeded => Code::DeadlineExceeded,
             Self::Overloaded => Code::ResourceExhausted,
             Self::Internal => Code::Internal,
@@ -85,12 +95,12 @@ impl ErrorKind {
                 Self::InvalidArgument
             }
             Code::Unauthenticated | Code::PermissionDenied => Self::Unauthenticated,
-            // A connection that broke shows up as `Unknown` ("transport
-            // error"); our servers never answer with it. For the caller the
-            // other service is unreachable: retry.
-            Code::Unavailable | Code::Cancelled | Code::Aborted | Code::Unknown => {
-                Self::Unavailable
-            }
+            // Refused or unreachable before the call was taken: not stored.
+            Code::Unavailable => Self::Unavailable,
+            // A call cut midway (a connection that broke shows up as
+            // `Unknown`, "transport error") may have done its work; our
+            // servers answer `Unknown` for exactly that.
+            Code::Unknown | Code::Cancelled | Code::Aborted => Self::MaybeStored,
             Code::DeadlineExceeded => Self::DeadlineExceeded,
             Code::ResourceExhausted => Self::Overloaded,
             Code::AlreadyExists => Self::IdReused,
@@ -214,6 +224,23 @@ mod tests {
                 ErrorKind::IdReused
             ]
         );
+    }
+
+    #[test]
+    fn a_call_cut_midway_may_have_stored_a_refused_one_did_not() {
+        assert_eq!(
+            ErrorKind::from_grpc_code(Code::Unknown),
+            ErrorKind::MaybeStored
+        );
+        assert_eq!(
+            ErrorKind::from_grpc_code(Code::Cancelled),
+            ErrorKind::MaybeStored
+        );
+        assert_eq!(
+            ErrorKind::from_grpc_code(Code::Unavailable),
+            ErrorKind::Unavailable
+        );
+        assert!(ErrorKind::MaybeStored.retryable());
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::{collections::HashMap, sync::Arc, time::Instant};
 use axum::extract::ws::{CloseFrame, Message, WebSocket, close_code};
 use futures_util::{SinkExt, StreamExt};
 use imdedup_core::{
-    Error, convert,
+    Error, ErrorKind, convert,
     model::{ConversationId, HistoryQuery, Sender},
 };
 use tokio::sync::{Semaphore, mpsc, oneshot};
@@ -284,7 +284,7 @@ async fn send(gateway: &Gateway, sender: Sender, cmd: SendCmd) -> Outbound {
             gateway
                 .metrics()
                 .shard_replied(shard, result.as_ref().map(|_| ()).map_err(Error::kind));
-            result
+            result.map_err(for_phone)
         }
         Err(e) => Err(e),
     };
@@ -298,11 +298,48 @@ async fn send(gateway: &Gateway, sender: Sender, cmd: SendCmd) -> Outbound {
             span.record("error.type", error.kind().as_str());
             if error.retryable() {
                 span.record("otel.status_code", "ERROR");
-                tracing::warn!(error = %error, "send failed");
             }
             Outbound::Error { to, error }
         }
     }
+}
+
+/// An error from ingest or storage, as the phone gets it. The gateway has
+/// validated the frame already, so a refusal further on is not final for the
+/// phone (a rolling update can change limits between hops): not stored,
+/// resend. The text says what to do, never which node, file or driver
+/// failed; the full cause goes to the log.
+fn for_phone(error: Error) -> Error {
+    if error.kind() == ErrorKind::IdReused {
+        return error;
+    }
+    tracing::warn!(error = %error, "backend error");
+    let (kind, message) = match error.kind() {
+        ErrorKind::MaybeStored => (
+            ErrorKind::MaybeStored,
+            "this send may be stored; resend with the same id to settle it",
+        ),
+        ErrorKind::DeadlineExceeded => (
+            ErrorKind::DeadlineExceeded,
+            "no answer in time; this send may be stored: resend with the same id",
+        ),
+        ErrorKind::Overloaded => (
+            ErrorKind::Overloaded,
+            "the service is busy; not stored: resend with the same id after a pause",
+        ),
+        ErrorKind::Internal => (
+            ErrorKind::Internal,
+            "internal error; resend with the same id",
+        ),
+        ErrorKind::Unavailable
+        | ErrorKind::InvalidArgument
+        | ErrorKind::Unauthenticated
+        | ErrorKind::IdReused => (
+            ErrorKind::Unavailable,
+            "the service is unavailable; not stored: resend with the same id",
+        ),
+    };
+    Error::new(kind, message)
 }
 
 async fn history(gateway: &Gateway, cmd: HistoryCmd) -> Outbound {
@@ -310,7 +347,7 @@ async fn history(gateway: &Gateway, cmd: HistoryCmd) -> Outbound {
     let query = ConversationId::parse(cmd.conversation.clone())
         .and_then(|conversation| HistoryQuery::new(conversation, cmd.after_seq, cmd.limit));
     let result = match query {
-        Ok(query) => gateway.history(&query).await,
+        Ok(query) => gateway.history(&query).await.map_err(for_phone),
         Err(e) => Err(e),
     };
     match result {
@@ -320,5 +357,52 @@ async fn history(gateway: &Gateway, cmd: HistoryCmd) -> Outbound {
             messages,
         },
         Err(error) => Outbound::Error { to, error },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_backend_refusal_is_not_final_and_tells_no_internals() {
+        let refused = for_phone(Error::invalid(
+            "body is 20000 bytes, more than the limit of 16384 (ingest 10.1.2.3:7200)",
+        ));
+        assert_eq!(refused.kind(), ErrorKind::Unavailable);
+        assert!(refused.retryable());
+        let cases = [
+            Error::unavailable("cql insert: connection refused by 10.1.2.3:9042"),
+            Error::new(
+                ErrorKind::MaybeStored,
+                "cql history write: /var/lib/scylla timeout",
+            ),
+            Error::new(ErrorKind::DeadlineExceeded, "ingest-0.ingest:7200 slow"),
+            Error::internal("sqlite: /data/messages.db is locked"),
+            Error::new(ErrorKind::Overloaded, "queue of ingest-1 full"),
+        ];
+        for error in cases {
+            let kind = error.kind();
+            let phone = for_phone(error);
+            assert_eq!(phone.kind(), kind, "the kind is kept");
+            for internal in ["10.1.2.3", "cql", "/var", "/data", "ingest-", "sqlite"] {
+                assert!(
+                    !phone.message().contains(internal),
+                    "{internal} leaked: {}",
+                    phone.message()
+                );
+            }
+            assert!(phone.message().contains("same id"), "{}", phone.message());
+        }
+        let receipt = imdedup_core::model::Receipt {
+            server_id: 7,
+            seq: 3,
+        };
+        let reused = for_phone(Error::id_reused(receipt));
+        assert_eq!(
+            reused.original(),
+            Some(receipt),
+            "id_reused keeps its answer"
+        );
     }
 }

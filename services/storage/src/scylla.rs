@@ -29,7 +29,7 @@ use std::{
 
 use async_trait::async_trait;
 use imdedup_core::{
-    Error,
+    Error, ErrorKind,
     metrics::{DB_CASSANDRA, StoreMetrics},
     model::{
         ClientMsgId, ConversationId, HistoryQuery, MessageKey, NewMessage, Receipt, Sender,
@@ -152,6 +152,11 @@ pub fn parse_serial_consistency(raw: &str) -> Result<SerialConsistency, Error> {
 
 fn db_error(what: &str, e: impl std::fmt::Display) -> Error {
     Error::unavailable(format!("cql {what}: {e}"))
+}
+
+/// A failure after which the message may be stored.
+fn maybe_stored(what: &str, e: impl std::fmt::Display) -> Error {
+    Error::new(ErrorKind::MaybeStored, format!("cql {what}: {e}"))
 }
 
 /// Connect to the cluster.
@@ -655,7 +660,9 @@ impl Inner {
                 ),
             )
             .await
-            .map_err(|e| db_error("history write", e))?;
+            // The unique-key row is written: the message is stored, not yet
+            // in the history. The resend rewrites the history row.
+            .map_err(|e| maybe_stored("history write", e))?;
         Ok(())
     }
 }
@@ -736,7 +743,7 @@ impl Inner {
             Err(e) => {
                 // The outcome is unknown: the seq stays spent (a possible gap),
                 // and the resend decides.
-                return Err(db_error("insert", e));
+                return Err(maybe_stored("insert", e));
             }
         };
         self.options.metrics.inserted(DB_CASSANDRA, applied);

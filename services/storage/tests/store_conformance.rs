@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use imdedup_core::{
+    ErrorKind,
     model::{Body, ClientMsgId, ConversationId, HistoryQuery, MessageKey, NewMessage, Sender},
     store::{Insert, MessageStore},
 };
@@ -331,4 +332,41 @@ async fn scylla_a_resend_repairs_a_history_row_lost_in_a_crash() {
         store.history(&history("c", 0)).await.unwrap(),
         vec![first.message().clone()]
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scylla_a_history_write_that_fails_after_the_lwt_is_maybe_stored_and_the_resend_settles_it()
+{
+    let Some(options) = scylla_options() else {
+        return;
+    };
+    let store = ScyllaStore::open(options.clone()).await.unwrap();
+    // The history table is gone: the unique-key LWT applies, the history
+    // write after it fails.
+    let session = imdedup_storage::scylla::connect(&options).await.unwrap();
+    session
+        .query_unpaged(
+            format!("DROP TABLE {}.messages_by_conversation", options.keyspace),
+            (),
+        )
+        .await
+        .unwrap();
+    let err = store
+        .insert_once(message("ana", "m1", "c", "hi"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::MaybeStored, "{err}");
+    assert!(err.retryable());
+
+    // The table is back (a fresh process migrates): the resend finds the
+    // stored key and writes the history row.
+    let store = ScyllaStore::open(options).await.unwrap();
+    let again = store
+        .insert_once(message("ana", "m1", "c", "hi"))
+        .await
+        .unwrap();
+    let Insert::AlreadyStored(row) = again else {
+        panic!("the first try was stored; the resend must find it: {again:?}")
+    };
+    assert_eq!(store.history(&history("c", 0)).await.unwrap(), vec![row]);
 }
