@@ -38,6 +38,13 @@ pub struct Audit {
     pub failed: u64,
     /// Failed on the phone but stored (the last ACK was lost).
     pub failed_but_stored: u64,
+    /// Stored, but never delivered to a follower: the row appeared below a
+    /// cursor that had already passed its seq. Must be 0.
+    pub missed_by_followers: u64,
+    /// Delivered to a follower out of seq order: must be 0.
+    pub delivered_out_of_order: u64,
+    /// Rows the followers received (0 when the run had no followers).
+    pub delivered_to_followers: u64,
 }
 
 impl Audit {
@@ -46,6 +53,33 @@ impl Audit {
             && self.repeats == 0
             && self.ack_mismatches == 0
             && self.seq_order_violations == 0
+            && self.missed_by_followers == 0
+            && self.delivered_out_of_order == 0
+    }
+
+    /// Compare what the followers received (`delivered`, per conversation
+    /// in the order received) with the final `histories`.
+    pub fn add_followers(
+        &mut self,
+        histories: &HashMap<String, Vec<HistoryMessage>>,
+        delivered: &HashMap<String, Vec<HistoryMessage>>,
+    ) {
+        for (conversation, rows) in histories {
+            let received = delivered.get(conversation).map_or(&[][..], Vec::as_slice);
+            self.delivered_to_followers += received.len() as u64;
+            self.delivered_out_of_order += received
+                .windows(2)
+                .filter(|pair| pair[1].seq <= pair[0].seq)
+                .count() as u64;
+            let seen: HashSet<(&str, &[u8])> = received
+                .iter()
+                .map(|row| (row.sender.as_str(), row.id.as_slice()))
+                .collect();
+            self.missed_by_followers += rows
+                .iter()
+                .filter(|row| !seen.contains(&(row.sender.as_str(), row.id.as_slice())))
+                .count() as u64;
+        }
     }
 }
 
@@ -182,5 +216,33 @@ mod tests {
         assert_eq!(result.failed, 2);
         assert_eq!(result.failed_but_stored, 1);
         assert!(!result.passed());
+    }
+
+    #[test]
+    fn a_row_that_appears_behind_a_followers_cursor_is_counted_as_missed() {
+        let history = |rows: &[(&str, u64)]| {
+            HashMap::from([(
+                "c".to_owned(),
+                rows.iter()
+                    .map(|(id, seq)| row("ana", id, *seq))
+                    .collect::<Vec<_>>(),
+            )])
+        };
+        // Stored in the end: 41, 42. The follower got 42 first and moved its
+        // cursor past 41, which was published later.
+        let stored = history(&[("a", 41), ("b", 42)]);
+        let mut audit = Audit::default();
+        audit.add_followers(&stored, &history(&[("b", 42)]));
+        assert_eq!(audit.missed_by_followers, 1);
+        assert!(!audit.passed());
+
+        let mut audit = Audit::default();
+        audit.add_followers(&stored, &history(&[("b", 42), ("a", 41)]));
+        assert_eq!(audit.delivered_out_of_order, 1);
+        assert_eq!(audit.missed_by_followers, 0);
+
+        let mut audit = Audit::default();
+        audit.add_followers(&stored, &stored);
+        assert!(audit.passed());
     }
 }

@@ -4,9 +4,12 @@
 //! probabilities; resends follow exponential backoff with jitter. Load is
 //! open-loop (messages are due at a constant rate whether or not earlier
 //! ones were answered), and at the end an audit pulls every conversation's
-//! history and checks that nothing was lost or stored twice.
+//! history and checks that nothing was lost or stored twice, and that the
+//! followers, readers that pulled every conversation with a cursor while the
+//! load ran, missed nothing.
 
 pub mod audit;
+pub mod follow;
 pub mod html;
 pub mod phone;
 pub mod report;

@@ -130,6 +130,10 @@ struct Common {
     /// No progress line.
     #[arg(long)]
     quiet: bool,
+    /// Do not follow the conversations with a cursor while the load runs
+    /// (followers are on by default; their pulls cost some driver CPU).
+    #[arg(long)]
+    no_followers: bool,
     /// The phones' frames: `json` (text) or `protobuf` (binary); the
     /// gateway speaks both.
     #[arg(long, default_value = "json", value_parser = ["json", "protobuf"])]
@@ -278,6 +282,7 @@ fn load_config(name: &str, args: &Common, rate: Option<f64>) -> anyhow::Result<L
             Duration::ZERO
         },
         progress: !args.quiet,
+        followers: !args.no_followers,
         encoding: if args.encoding == "protobuf" {
             Encoding::Protobuf
         } else {

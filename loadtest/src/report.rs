@@ -194,7 +194,14 @@ impl Report {
             ("repeats receivers see", a.repeats, true),
             ("ACKs differing from the first", a.ack_mismatches, true),
             ("seq order violations", a.seq_order_violations, true),
+            ("missed by followers", a.missed_by_followers, true),
+            ("delivered out of seq order", a.delivered_out_of_order, true),
             ("seq gaps", a.seq_gaps, false),
+            (
+                "rows delivered to followers",
+                a.delivered_to_followers,
+                false,
+            ),
             ("failed on the phone (never ACKed)", a.failed, false),
             ("  of which stored anyway", a.failed_but_stored, false),
         ] {

@@ -1,5 +1,6 @@
-//! One load run: start or reach the target, drive phones open-loop, resend
-//! late, pull every history, audit.
+//! One load run: start or reach the target, drive phones open-loop while
+//! followers read every conversation with a cursor, resend late, pull every
+//! history, audit.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -21,9 +22,11 @@ use imdedup_core::{
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use crate::{
     audit::{Audit, Sent, audit},
+    follow,
     phone::{Fate, Outgoing, ResendPolicy, Trace, deliver, wait_until},
     report::Report,
 };
@@ -75,6 +78,9 @@ pub struct LoadConfig {
     pub encoding: Encoding,
     /// Print a progress line every second.
     pub progress: bool,
+    /// Follow every conversation with a cursor while the load runs (see
+    /// [`crate::follow`]) and audit what the followers received.
+    pub followers: bool,
 }
 
 /// The result of a run.
@@ -308,6 +314,20 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
     let mut order: Vec<usize> = (0..plan.len()).collect();
     order.sort_by_key(|&i| dues[i]);
 
+    let stop_following = CancellationToken::new();
+    let following = if config.followers {
+        let reader = Client::connect(&url, &token(0)?, Encoding::Json).await?;
+        let conversations: HashSet<&str> = plan.iter().map(|m| m.conversation.as_str()).collect();
+        let conversations = conversations.into_iter().map(str::to_owned).collect();
+        Some(tokio::spawn(follow::follow(
+            reader,
+            conversations,
+            stop_following.clone(),
+        )))
+    } else {
+        None
+    };
+
     let started = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
     for index in order {
@@ -397,6 +417,13 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
         }
     }
 
+    // The followers sweep once more, then stop.
+    stop_following.cancel();
+    let delivered = match following {
+        Some(following) => Some(following.await?),
+        None => None,
+    };
+
     // The receivers' view: every conversation's stored history.
     let reader = Client::connect(&url, &token(0)?, Encoding::Json).await?;
     let conversations: HashSet<&str> = plan.iter().map(|m| m.conversation.as_str()).collect();
@@ -425,7 +452,10 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
             trace,
         })
         .collect();
-    let result = audit(&sent, &histories);
+    let mut result = audit(&sent, &histories);
+    if let Some(delivered) = &delivered {
+        result.add_followers(&histories, delivered);
+    }
     let report = Report::new(&config, &sent, sending, late_caught, result.clone());
     drop(phones);
     drop(reader);

@@ -29,6 +29,7 @@ fn book(messages: u64) -> LoadConfig {
         dedup_off: false,
         storm_window: Duration::ZERO,
         progress: false,
+        followers: true,
         encoding: Encoding::Json,
     }
 }
@@ -42,6 +43,11 @@ async fn a_short_book_run_loses_nothing_and_stores_nothing_twice() {
     assert_eq!(audit.lost, 0);
     assert_eq!(audit.repeats, 0);
     assert_eq!(audit.ack_mismatches, 0);
+    // Readers following every conversation with a cursor got every row,
+    // in seq order.
+    assert_eq!(audit.missed_by_followers, 0, "{}", report.render());
+    assert_eq!(audit.delivered_out_of_order, 0);
+    assert_eq!(audit.delivered_to_followers, audit.stored_rows);
     assert_eq!(
         report.outcomes.stored, audit.stored_rows,
         "one row per stored answer"

@@ -1,0 +1,76 @@
+//! Followers: readers that follow every conversation with a cursor while
+//! the load runs, as receiving phones do (`after_seq` = the last seq they
+//! have). A message that shows up below a cursor that already passed it is
+//! never delivered to such a reader: the audit counts those.
+
+use std::{collections::HashMap, time::Duration};
+
+use futures_util::StreamExt;
+use imdedup_client::{Client, HistoryMessage};
+use tokio_util::sync::CancellationToken;
+
+/// Pulls in flight at once during a sweep.
+const PULLS_IN_FLIGHT: usize = 32;
+/// Shortest pause between two sweeps over every conversation; a long sweep
+/// is followed by a pause twice as long, so following costs the driver and
+/// the cluster at most a third of one reader's time.
+const SWEEP_PAUSE: Duration = Duration::from_millis(500);
+/// Rows asked for per pull.
+const PAGE: u32 = 1000;
+
+/// What followers received, per conversation, in the order received.
+pub type Delivered = HashMap<String, Vec<HistoryMessage>>;
+
+/// Follow `conversations` through `reader` until `stop`, then sweep once
+/// more and return what was delivered. Pull errors are retried on the next
+/// sweep (the cursor stays where it was).
+pub async fn follow(
+    reader: Client,
+    conversations: Vec<String>,
+    stop: CancellationToken,
+) -> Delivered {
+    let mut delivered: Delivered = conversations
+        .iter()
+        .map(|c| (c.clone(), Vec::new()))
+        .collect();
+    loop {
+        let stopping = stop.is_cancelled();
+        let started = tokio::time::Instant::now();
+        sweep(&reader, &mut delivered).await;
+        if stopping {
+            return delivered;
+        }
+        tokio::select! {
+            () = stop.cancelled() => {}
+            () = tokio::time::sleep(SWEEP_PAUSE.max(started.elapsed() * 2)) => {}
+        }
+    }
+}
+
+/// Pull every conversation from its cursor to its end.
+async fn sweep(reader: &Client, delivered: &mut Delivered) {
+    let cursors: Vec<(String, u64)> = delivered
+        .iter()
+        .map(|(c, rows)| (c.clone(), rows.last().map_or(0, |r| r.seq)))
+        .collect();
+    let mut pulls = futures_util::stream::iter(cursors)
+        .map(|(conversation, mut cursor)| async move {
+            let mut new = Vec::new();
+            loop {
+                match reader.history(&conversation, cursor, PAGE).await {
+                    Ok(Ok(page)) if !page.messages.is_empty() => {
+                        cursor = page.messages.last().map_or(cursor, |m| m.seq);
+                        new.extend(page.messages);
+                    }
+                    _ => break,
+                }
+            }
+            (conversation, new)
+        })
+        .buffer_unordered(PULLS_IN_FLIGHT);
+    while let Some((conversation, new)) = pulls.next().await {
+        if let Some(rows) = delivered.get_mut(&conversation) {
+            rows.extend(new);
+        }
+    }
+}
