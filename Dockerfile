@@ -6,19 +6,23 @@
 #
 #   docker build -t imdedup:0.1.0 --build-arg VERSION=0.1.0 .
 #
-# The binaries come from the stage named by BINARIES:
-#   builder   (default) compiled here, in the Rust image, then stripped of
-#             debug info (the release profile's line tables; symbols stay);
-#   prebuilt  copied as they are from target/release/ of the build context,
-#             for a host that built them already (`cargo build --release
-#             --locked -p imdedup -p imdedup-loadtest` on Debian 12, glibc
-#             2.36); deploy/image/build.sh builds this way, without any
-#             registry, from a staging context with stripped copies.
+# Two final stages, the same image but for where the binaries come from:
+#   image           (the last stage, the default) compiles them in the Rust
+#                   image, then strips their debug info (the release
+#                   profile's line tables; symbols stay, so backtraces keep
+#                   function names);
+#   image-prebuilt  (--target image-prebuilt) copies them as they are from
+#                   target/release/ of the build context, for a host that
+#                   built them already (`cargo build --release --locked -p
+#                   imdedup -p imdedup-loadtest` on Debian 12, glibc 2.36);
+#                   deploy/image/build.sh builds it, without any registry,
+#                   from a staging context with stripped copies.
+# (Explicit stage names, not a FROM ${ARG} switch: buildah/podman would skip
+# a stage that is named only through an ARG.)
 # See deploy/image/README.md.
 
 ARG RUST_VERSION=1.95
 ARG RUNTIME_BASE=gcr.io/distroless/cc-debian12:nonroot
-ARG BINARIES=builder
 
 # ---- binaries compiled in the Rust image ------------------------------------
 FROM docker.io/library/rust:${RUST_VERSION}-bookworm AS builder
@@ -33,16 +37,10 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
       objcopy --strip-debug "target/release/$bin" "/out/$bin"; \
     done
 
-# ---- binaries built beforehand on the host ----------------------------------
-# .dockerignore lets exactly these two files of target/ into the context.
-FROM scratch AS prebuilt
-COPY target/release/imdedup target/release/imdedup-load /out/
-
-# ---- the chosen source of binaries ------------------------------------------
-FROM ${BINARIES} AS binaries
-
 # ---- runtime ----------------------------------------------------------------
 FROM ${RUNTIME_BASE} AS base
+
+# Everything but the binaries.
 FROM base AS runtime
 ARG VERSION=0.1.0
 ARG REVISION=unknown
@@ -54,9 +52,6 @@ LABEL org.opencontainers.image.title="imdedup" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.revision="${REVISION}"
-
-COPY --from=binaries /out/imdedup /usr/local/bin/imdedup
-COPY --from=binaries /out/imdedup-load /usr/local/bin/imdedup-load
 
 # The embedded store's directory (`imdedup storage`): mount a volume here.
 # It must exist owned by nonroot, so that a fresh volume takes that owner,
@@ -77,3 +72,12 @@ EXPOSE 7100 7200 7300 9100 9200 9300
 
 ENTRYPOINT ["/usr/local/bin/imdedup"]
 CMD ["--help"]
+
+# ---- the image from binaries built on the host -------------------------------
+# .dockerignore lets exactly these two files of target/ into the context.
+FROM runtime AS image-prebuilt
+COPY target/release/imdedup target/release/imdedup-load /usr/local/bin/
+
+# ---- the image, binaries compiled in the builder stage (default) ------------
+FROM runtime AS image
+COPY --from=builder /out/imdedup /out/imdedup-load /usr/local/bin/

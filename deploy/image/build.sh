@@ -6,9 +6,10 @@
 #   2. makes the runtime base from Debian packages (debootstrap minbase,
 #      trimmed, with the distroless `nonroot` user 65532) and tags it with the
 #      Dockerfile's runtime base name, gcr.io/distroless/cc-debian12:nonroot;
-#   3. builds the Dockerfile's last stage with --pull=never and
-#      --build-arg BINARIES=prebuilt (the host's binaries, debug info
-#      stripped from copies of them; no Rust image);
+#   3. builds the Dockerfile's `image-prebuilt` stage with --pull=never: the
+#      same image as the default last stage, `image`, but with the host's
+#      binaries (debug info stripped from copies of them) instead of the
+#      Rust builder stage, whose base image cannot be pulled here;
 #   4. makes the Redis image that deploy/image/cluster.sh uses, from the same
 #      Debian release with redis-server.
 #
@@ -162,7 +163,7 @@ import_rootfs "$BASE_TAR" "$RUNTIME_BASE" \
   --change "ENV=PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
   --change "ENV=SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt"
 
-# The build context is a staging directory holding what the `prebuilt` stage
+# The build context is a staging directory holding what `image-prebuilt`
 # copies, target/release/imdedup{,-load}, as copies without debug info
 # (symbols stay, so backtraces keep function names): about 27 MB each
 # instead of about 130 MB with the release profile's line tables. The shared
@@ -175,9 +176,9 @@ for bin in imdedup imdedup-load; do
   objcopy --strip-debug "$ROOT/target/release/$bin" "$CTX/target/release/$bin"
 done
 
-log "podman build (BINARIES=prebuilt, --pull=never) -> $IMAGE:$VERSION, $IMAGE:dev"
-podman build --pull=never -f "$CTX/Dockerfile" \
-  --build-arg BINARIES=prebuilt --build-arg "RUNTIME_BASE=$RUNTIME_BASE" \
+log "podman build --target image-prebuilt --pull=never -> $IMAGE:$VERSION, $IMAGE:dev"
+podman build --pull=never -f "$CTX/Dockerfile" --target image-prebuilt \
+  --build-arg "RUNTIME_BASE=$RUNTIME_BASE" \
   --build-arg "VERSION=$VERSION" --build-arg "REVISION=$REVISION" \
   -t "$IMAGE:$VERSION" -t "$IMAGE:dev" "$CTX" >&2
 
