@@ -110,7 +110,7 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
 done
 
 for c in "${todo[@]}"; do
-  log "building $c $KUBE_VERSION (cold kube-apiserver: ~11 min on 2 cores)"
+  log "building $c $KUBE_VERSION (cold, on 2 busy cores: kube-apiserver ~15 min, kubelet ~20 min)"
   start=$(date +%s)
   cgo=0; [ "$c" = kubelet ] && cgo=1      # upstream builds kubelet with cgo, the rest static
   (cd "$SRC" && CGO_ENABLED=$cgo go build -trimpath -ldflags "$ldflags" \
