@@ -7,7 +7,7 @@ use imdedup_client::{Client, Encoding};
 
 mod common;
 
-use common::{BIN, Service, free_addr, wait_listening};
+use common::{BIN, Service, free_addr, gateway_args, mint_token, wait_listening};
 
 fn check_demo(extra: &[&str]) {
     let output = Command::new(BIN)
@@ -131,22 +131,15 @@ fn services_run_as_separate_processes_and_stop_on_sigterm() {
         ],
         dir.path(),
     );
-    let gateway = Service::start(
-        &[
-            "gateway",
-            "--listen",
-            &gateway_addr.to_string(),
-            "--shards",
-            &format!("http://{ingest_addr}"),
-            "--storage",
-            &storage_url,
-            "--token-secret",
-            secret,
-            "--admin-listen",
-            &admins[2].to_string(),
-        ],
-        dir.path(),
+    let args = gateway_args(
+        gateway_addr,
+        &format!("http://{ingest_addr}"),
+        &storage_url,
+        secret,
+        admins[2],
     );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let gateway = Service::start(&args, dir.path());
     for addr in [storage_addr, ingest_addr, gateway_addr]
         .into_iter()
         .chain(admins)
@@ -154,11 +147,7 @@ fn services_run_as_separate_processes_and_stop_on_sigterm() {
         wait_listening(addr);
     }
 
-    let token = Command::new(BIN)
-        .args(["token", "--user", "ana", "--token-secret", secret])
-        .output()
-        .unwrap();
-    let token = String::from_utf8(token.stdout).unwrap().trim().to_owned();
+    let token = mint_token(secret, "ana");
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
         let ana = Client::connect(
@@ -267,30 +256,19 @@ fn named_shards_route_by_name_and_each_ingest_accepts_what_the_gateway_sends_it(
             )
         })
         .collect();
-    let gateway = Service::start(
-        &[
-            "gateway",
-            "--listen",
-            &gateway_addr.to_string(),
-            "--shards",
-            &gateway_map,
-            "--storage",
-            &storage_url,
-            "--token-secret",
-            secret,
-            "--admin-listen",
-            &admin(),
-        ],
-        dir.path(),
+    let args = gateway_args(
+        gateway_addr,
+        &gateway_map,
+        &storage_url,
+        secret,
+        free_addr(),
     );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let gateway = Service::start(&args, dir.path());
     for addr in [storage_addr, gateway_addr].into_iter().chain(ingest_addrs) {
         wait_listening(addr);
     }
-    let token = Command::new(BIN)
-        .args(["token", "--user", "ana", "--token-secret", secret])
-        .output()
-        .unwrap();
-    let token = String::from_utf8(token.stdout).unwrap().trim().to_owned();
+    let token = mint_token(secret, "ana");
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
         let ana = Client::connect(
@@ -445,31 +423,19 @@ fn an_ingest_started_while_redis_is_down_serves_with_the_window_bypassed() {
         ],
         dir.path(),
     );
-    let admin = free_addr().to_string();
-    let gateway = Service::start(
-        &[
-            "gateway",
-            "--listen",
-            &gateway_addr.to_string(),
-            "--shards",
-            &format!("http://{ingest_addr}"),
-            "--storage",
-            &storage_url,
-            "--token-secret",
-            secret,
-            "--admin-listen",
-            &admin,
-        ],
-        dir.path(),
+    let args = gateway_args(
+        gateway_addr,
+        &format!("http://{ingest_addr}"),
+        &storage_url,
+        secret,
+        free_addr(),
     );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let gateway = Service::start(&args, dir.path());
     for addr in [storage_addr, ingest_addr, gateway_addr, ingest_admin] {
         wait_listening(addr);
     }
-    let token = Command::new(BIN)
-        .args(["token", "--user", "ana", "--token-secret", secret])
-        .output()
-        .unwrap();
-    let token = String::from_utf8(token.stdout).unwrap().trim().to_owned();
+    let token = mint_token(secret, "ana");
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
         let ana = Client::connect(

@@ -2,14 +2,14 @@
 //! its spans over OTLP/gRPC to a receiver in this test, and they share the
 //! send's trace id.
 
-use std::{collections::BTreeSet, process::Command, time::Duration};
+use std::{collections::BTreeSet, time::Duration};
 
 use imdedup_client::{Client, Encoding};
 use imdedup_cluster::otlp_receiver::{OtlpReceiver, ReceivedSpan};
 
 mod common;
 
-use common::{BIN, Service, free_addr, wait_listening};
+use common::{Service, free_addr, mint_token, wait_listening};
 
 /// A service process exporting its spans to `otlp`, and nothing else's
 /// tracing settings.
@@ -106,11 +106,7 @@ fn one_send_is_one_trace_across_gateway_ingest_and_storage() {
     for addr in [storage_addr, ingest_addr, gateway_addr] {
         wait_listening(addr);
     }
-    let token = Command::new(BIN)
-        .args(["token", "--user", "ana", "--token-secret", secret])
-        .output()
-        .unwrap();
-    let token = String::from_utf8(token.stdout).unwrap().trim().to_owned();
+    let token = mint_token(secret, "ana");
 
     let spans = runtime.block_on(async {
         let ana = Client::connect(

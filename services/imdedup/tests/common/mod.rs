@@ -39,6 +39,43 @@ pub fn command(args: &[&str], data_dir: &Path) -> Command {
     command
 }
 
+/// A token for `user`, minted by `imdedup token` with `secret`.
+#[allow(dead_code, reason = "not every test binary mints tokens")]
+pub fn mint_token(secret: &str, user: &str) -> String {
+    let output = Command::new(BIN)
+        .args(["token", "--user", user, "--token-secret", secret])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "imdedup token failed");
+    String::from_utf8(output.stdout).unwrap().trim().to_owned()
+}
+
+/// The command line of a gateway on `listen` in front of `shards`.
+#[allow(dead_code, reason = "not every test binary starts a gateway")]
+pub fn gateway_args(
+    listen: SocketAddr,
+    shards: &str,
+    storage_url: &str,
+    secret: &str,
+    admin: SocketAddr,
+) -> Vec<String> {
+    [
+        "gateway",
+        "--listen",
+        &listen.to_string(),
+        "--shards",
+        shards,
+        "--storage",
+        storage_url,
+        "--token-secret",
+        secret,
+        "--admin-listen",
+        &admin.to_string(),
+    ]
+    .map(str::to_owned)
+    .to_vec()
+}
+
 /// A service process; killed when dropped.
 pub struct Service(Child);
 
