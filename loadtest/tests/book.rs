@@ -6,6 +6,11 @@ use std::time::Duration;
 use imdedup_client::Encoding;
 use imdedup_loadtest::{LoadConfig, phone::ResendPolicy, run, run::Target};
 
+/// The runs below drive a cluster at 2,000 messages a second on a small
+/// machine, with resend timers scaled to milliseconds: one at a time, so
+/// their latency is the cluster's and not the other runs'.
+static ONE_RUN_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn book(messages: u64) -> LoadConfig {
     LoadConfig {
         scenario: "book".into(),
@@ -36,6 +41,7 @@ fn book(messages: u64) -> LoadConfig {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_short_book_run_loses_nothing_and_stores_nothing_twice() {
+    let _alone = ONE_RUN_AT_A_TIME.lock().await;
     let outcome = run(book(1000)).await.unwrap();
     let report = &outcome.report;
     let audit = &outcome.audit;
@@ -82,6 +88,7 @@ async fn a_short_book_run_loses_nothing_and_stores_nothing_twice() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_dedup_receivers_see_about_one_repeat_per_ten_messages() {
+    let _alone = ONE_RUN_AT_A_TIME.lock().await;
     let mut config = book(1000);
     config.dedup_off = true;
     config.late_resends = 0;
@@ -103,6 +110,7 @@ async fn without_dedup_receivers_see_about_one_repeat_per_ten_messages() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reconnect_storm_is_answered_from_the_window() {
+    let _alone = ONE_RUN_AT_A_TIME.lock().await;
     let mut config = book(200);
     config.scenario = "storm".into();
     config.storm_window = Duration::from_millis(300);

@@ -43,6 +43,13 @@ pub struct Shard {
     pub url: String,
 }
 
+impl AsRef<str> for Shard {
+    /// A shard is routed by its name.
+    fn as_ref(&self) -> &str {
+        &self.name
+    }
+}
+
 /// The set of ingest shards, as every gateway and ingest must agree on it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShardMap {
@@ -98,7 +105,7 @@ impl ShardMap {
     /// The index of the shard that owns `conversation`.
     pub fn owner(&self, conversation: &ConversationId) -> usize {
         // `new` refuses an empty map, so there is always an owner.
-        owner(&self.names().collect::<Vec<_>>(), conversation).unwrap_or(0)
+        owner(&self.shards, conversation).unwrap_or(0)
     }
 
     /// The shards' names, in map order.
