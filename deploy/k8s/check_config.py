@@ -122,22 +122,19 @@ def build_env(container, pod, doc, configmaps, secrets, problems):
     env = {"HOSTNAME": pod}  # the kubelet sets it to the pod's name
     for source in container.get("envFrom") or []:
         prefix = source.get("prefix", "")
-        if "configMapRef" in source:
-            ref = source["configMapRef"]
-            data = configmaps.get(ref["name"])
+        for key, kind, found in (("configMapRef", "ConfigMap", configmaps), ("secretRef", "Secret", secrets)):
+            if key not in source:
+                continue
+            ref = source[key]
+            data = found.get(ref["name"])
             if data is None:
                 if not ref.get("optional"):
-                    problems.append(f"envFrom ConfigMap {ref['name']} is not in the render")
+                    problems.append(f"envFrom {kind} {ref['name']} is not in the render")
                 continue
-            env.update({prefix + k: str(v) for k, v in data.items()})
-        elif "secretRef" in source:
-            ref = source["secretRef"]
-            data = secrets.get(ref["name"])
-            if data is None:
-                if not ref.get("optional"):
-                    problems.append(f"envFrom Secret {ref['name']} is not in the render")
-                continue
-            env.update({prefix + k: SECRET_PLACEHOLDERS.get(prefix + k, "placeholder") for k in data})
+            if kind == "ConfigMap":
+                env.update({prefix + k: str(v) for k, v in data.items()})
+            else:
+                env.update({prefix + k: SECRET_PLACEHOLDERS.get(prefix + k, "placeholder") for k in data})
     for var in container.get("env") or []:
         name = var["name"]
         if "value" in var:

@@ -3,11 +3,9 @@
 
 use std::{net::SocketAddr, process::Command};
 
-use imdedup_client::{Client, Encoding};
-
 mod common;
 
-use common::{BIN, Service, free_addr, gateway_args, mint_token, wait_listening};
+use common::{BIN, Service, connect_phone, free_addr, gateway_args, mint_token, wait_listening};
 
 fn check_demo(extra: &[&str]) {
     let output = Command::new(BIN)
@@ -150,13 +148,7 @@ fn services_run_as_separate_processes_and_stop_on_sigterm() {
     let token = mint_token(secret, "ana");
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
-        let ana = Client::connect(
-            &format!("ws://{gateway_addr}/v1/ws"),
-            &token,
-            Encoding::Json,
-        )
-        .await
-        .unwrap();
+        let ana = connect_phone(gateway_addr, &token).await;
         let first = ana
             .send(b"p-1", "c", "over processes")
             .await
@@ -271,13 +263,7 @@ fn named_shards_route_by_name_and_each_ingest_accepts_what_the_gateway_sends_it(
     let token = mint_token(secret, "ana");
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
-        let ana = Client::connect(
-            &format!("ws://{gateway_addr}/v1/ws"),
-            &token,
-            Encoding::Json,
-        )
-        .await
-        .unwrap();
+        let ana = connect_phone(gateway_addr, &token).await;
         for i in 0..40 {
             let conversation = format!("c-{i}");
             let ack = ana
@@ -438,13 +424,7 @@ fn an_ingest_started_while_redis_is_down_serves_with_the_window_bypassed() {
     let token = mint_token(secret, "ana");
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
-        let ana = Client::connect(
-            &format!("ws://{gateway_addr}/v1/ws"),
-            &token,
-            Encoding::Json,
-        )
-        .await
-        .unwrap();
+        let ana = connect_phone(gateway_addr, &token).await;
         let first = ana.send(b"r-1", "c", "no redis").await.unwrap().unwrap();
         let again = ana.send(b"r-1", "c", "no redis").await.unwrap().unwrap();
         assert_eq!(first.outcome, "stored");

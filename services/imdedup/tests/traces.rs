@@ -4,12 +4,11 @@
 
 use std::{collections::BTreeSet, time::Duration};
 
-use imdedup_client::{Client, Encoding};
 use imdedup_cluster::otlp_receiver::{OtlpReceiver, ReceivedSpan};
 
 mod common;
 
-use common::{Service, free_addr, mint_token, wait_listening};
+use common::{Service, connect_phone, free_addr, mint_token, wait_listening};
 
 /// A service process exporting its spans to `otlp`, and nothing else's
 /// tracing settings.
@@ -109,13 +108,7 @@ fn one_send_is_one_trace_across_gateway_ingest_and_storage() {
     let token = mint_token(secret, "ana");
 
     let spans = runtime.block_on(async {
-        let ana = Client::connect(
-            &format!("ws://{gateway_addr}/v1/ws"),
-            &token,
-            Encoding::Json,
-        )
-        .await
-        .unwrap();
+        let ana = connect_phone(gateway_addr, &token).await;
         let ack = ana.send(b"t-1", "c", "traced").await.unwrap().unwrap();
         assert_eq!(ack.outcome, "stored");
         receiver

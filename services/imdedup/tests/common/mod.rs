@@ -50,6 +50,18 @@ pub fn mint_token(secret: &str, user: &str) -> String {
     String::from_utf8(output.stdout).unwrap().trim().to_owned()
 }
 
+/// A phone of the user `token` names, on the gateway at `gateway`, in JSON.
+#[allow(dead_code, reason = "not every test binary connects phones")]
+pub async fn connect_phone(gateway: SocketAddr, token: &str) -> imdedup_client::Client {
+    imdedup_client::Client::connect(
+        &format!("ws://{gateway}/v1/ws"),
+        token,
+        imdedup_client::Encoding::Json,
+    )
+    .await
+    .unwrap()
+}
+
 /// The command line of a gateway on `listen` in front of `shards`.
 #[allow(dead_code, reason = "not every test binary starts a gateway")]
 pub fn gateway_args(

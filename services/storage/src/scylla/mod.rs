@@ -209,24 +209,26 @@ impl ScyllaStore {
 impl Inner {
     async fn write_history(&self, row: &StoredMessage) -> Result<(), Error> {
         self.session
-            .execute_unpaged(
-                &self.statements.insert_history,
-                (
-                    row.key.sender.as_str(),
-                    row.key.client_msg_id.as_bytes(),
-                    row.conversation.as_str(),
-                    row.body.as_str(),
-                    to_i64(row.receipt.server_id),
-                    to_i64(row.receipt.seq),
-                    row.stored_at_ms,
-                ),
-            )
+            .execute_unpaged(&self.statements.insert_history, columns(row))
             .await
             // The unique-key row is written: the message is stored, not yet
             // in the history. The resend rewrites the history row.
             .map_err(|e| maybe_stored("history write", e))?;
         Ok(())
     }
+}
+
+/// A row's values in the order of `COLUMNS`, for both insert statements.
+fn columns(row: &StoredMessage) -> (&str, &[u8], &str, &str, i64, i64, i64) {
+    (
+        row.key.sender.as_str(),
+        row.key.client_msg_id.as_bytes(),
+        row.conversation.as_str(),
+        row.body.as_str(),
+        to_i64(row.receipt.server_id),
+        to_i64(row.receipt.seq),
+        row.stored_at_ms,
+    )
 }
 
 fn unix_millis() -> i64 {
@@ -278,18 +280,7 @@ impl Inner {
         };
         let reply = self
             .session
-            .execute_unpaged(
-                &self.statements.insert_key,
-                (
-                    row.key.sender.as_str(),
-                    row.key.client_msg_id.as_bytes(),
-                    row.conversation.as_str(),
-                    row.body.as_str(),
-                    to_i64(row.receipt.server_id),
-                    to_i64(seq),
-                    row.stored_at_ms,
-                ),
-            )
+            .execute_unpaged(&self.statements.insert_key, columns(&row))
             .instrument(tracing::info_span!(
                 "cassandra.lwt",
                 otel.name = "INSERT messages_by_key",
