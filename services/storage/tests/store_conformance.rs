@@ -4,32 +4,11 @@
 
 use std::sync::Arc;
 
-use imdedup_core::{
-    ErrorKind,
-    model::{Body, ClientMsgId, ConversationId, HistoryQuery, MessageKey, NewMessage, Sender},
-    store::{Insert, MessageStore},
-};
-use imdedup_storage::{ScyllaOptions, ScyllaStore, SqliteOptions, SqliteStore};
+use imdedup_core::store::{Insert, MessageStore};
+use imdedup_storage::{ScyllaStore, SqliteOptions, SqliteStore};
 
-fn message(sender: &str, id: &str, conversation: &str, body: &str) -> NewMessage {
-    NewMessage {
-        key: MessageKey {
-            sender: Sender::parse(sender).unwrap(),
-            client_msg_id: ClientMsgId::parse(id.as_bytes().to_vec()).unwrap(),
-        },
-        conversation: ConversationId::parse(conversation).unwrap(),
-        body: Body::parse(body, 1 << 20).unwrap(),
-    }
-}
-
-fn history(conversation: &str, after_seq: u64) -> HistoryQuery {
-    HistoryQuery::new(
-        ConversationId::parse(conversation).unwrap(),
-        after_seq,
-        1000,
-    )
-    .unwrap()
-}
+mod common;
+use common::{history, message, scylla_options};
 
 async fn inserts_once_and_echoes_the_original(store: Arc<dyn MessageStore>, tag: &str) {
     let conv = format!("{tag}-once");
@@ -207,23 +186,6 @@ async fn sqlite_reports_an_unusable_path_as_an_error() {
     assert!(err.message().contains("cannot"), "{err}");
 }
 
-fn scylla_endpoint() -> Option<String> {
-    match std::env::var("IMDEDUP_TEST_SCYLLA") {
-        Ok(v) => Some(v),
-        Err(_) if std::env::var("IMDEDUP_SKIP_REAL_BACKENDS").as_deref() == Ok("1") => None,
-        Err(_) => panic!(
-            "IMDEDUP_TEST_SCYLLA is not set: run deploy/local/test.sh (IMDEDUP_SKIP_REAL_BACKENDS=1 skips)"
-        ),
-    }
-}
-
-/// Options for a keyspace of this test's own on the local CQL node.
-fn scylla_options() -> Option<ScyllaOptions> {
-    let mut options = ScyllaOptions::single_node(vec![scylla_endpoint()?]);
-    options.keyspace = format!("s{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
-    Some(options)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scylla_conforms() {
     let Some(options) = scylla_options() else {
@@ -243,8 +205,10 @@ async fn scylla_migration_is_idempotent_and_seqs_survive_a_restart() {
         .insert_once(message("ana", "m1", "c", "one"))
         .await
         .unwrap();
+    // A clean restart: drained, then migrate again, new process state, new
+    // lease.
+    first.drain().await;
     drop(first);
-    // A restart: migrate again, new process state, new lease.
     let second = ScyllaStore::open(options).await.unwrap();
     let again = second
         .insert_once(message("ana", "m1", "c", "one"))
@@ -260,43 +224,6 @@ async fn scylla_migration_is_idempotent_and_seqs_survive_a_restart() {
         "a seq is never reused"
     );
     assert_ne!(b.message().receipt.server_id, a.message().receipt.server_id);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn scylla_two_processes_racing_store_one_row_each() {
-    let Some(options) = scylla_options() else {
-        return;
-    };
-    // Two stores on one keyspace: two ingest processes with their own leases.
-    let one = Arc::new(ScyllaStore::open(options.clone()).await.unwrap());
-    let two = Arc::new(ScyllaStore::open(options).await.unwrap());
-    let mut tasks = Vec::new();
-    for i in 0..40 {
-        for store in [Arc::clone(&one), Arc::clone(&two)] {
-            tasks.push(tokio::spawn(async move {
-                let id = format!("race-{i}");
-                store
-                    .insert_once(message("ana", &id, "c", &id))
-                    .await
-                    .unwrap()
-            }));
-        }
-    }
-    let mut stored = 0;
-    let mut receipts = std::collections::HashMap::new();
-    for task in tasks {
-        let insert = task.await.unwrap();
-        stored += usize::from(matches!(insert, Insert::Stored(_)));
-        let row = insert.message();
-        let first = receipts.entry(row.key.clone()).or_insert(row.receipt);
-        assert_eq!(*first, row.receipt, "both copies get the same receipt");
-    }
-    assert_eq!(stored, 40);
-    let rows = one.history(&history("c", 0)).await.unwrap();
-    assert_eq!(rows.len(), 40);
-    let mut seqs: Vec<u64> = rows.iter().map(|r| r.receipt.seq).collect();
-    seqs.dedup();
-    assert_eq!(seqs.len(), 40, "seqs are unique across the two processes");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -332,41 +259,4 @@ async fn scylla_a_resend_repairs_a_history_row_lost_in_a_crash() {
         store.history(&history("c", 0)).await.unwrap(),
         vec![first.message().clone()]
     );
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn scylla_a_history_write_that_fails_after_the_lwt_is_maybe_stored_and_the_resend_settles_it()
-{
-    let Some(options) = scylla_options() else {
-        return;
-    };
-    let store = ScyllaStore::open(options.clone()).await.unwrap();
-    // The history table is gone: the unique-key LWT applies, the history
-    // write after it fails.
-    let session = imdedup_storage::scylla::connect(&options).await.unwrap();
-    session
-        .query_unpaged(
-            format!("DROP TABLE {}.messages_by_conversation", options.keyspace),
-            (),
-        )
-        .await
-        .unwrap();
-    let err = store
-        .insert_once(message("ana", "m1", "c", "hi"))
-        .await
-        .unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::MaybeStored, "{err}");
-    assert!(err.retryable());
-
-    // The table is back (a fresh process migrates): the resend finds the
-    // stored key and writes the history row.
-    let store = ScyllaStore::open(options).await.unwrap();
-    let again = store
-        .insert_once(message("ana", "m1", "c", "hi"))
-        .await
-        .unwrap();
-    let Insert::AlreadyStored(row) = again else {
-        panic!("the first try was stored; the resend must find it: {again:?}")
-    };
-    assert_eq!(store.history(&history("c", 0)).await.unwrap(), vec![row]);
 }

@@ -1,5 +1,13 @@
 //! Numbers handed out without a serial read: blocks of seqs per
 //! conversation and of server ids, leased with LWTs on the `leases` table.
+//!
+//! A conversation's lease row also names its owner, the instance (see
+//! [`super::members`]) that writes its seqs. Leasing takes the row over
+//! only from ourselves, from no one, or from an instance that is gone; an
+//! instance still alive keeps it, and the send is refused with a retryable
+//! error until that instance leaves. So during a change of the shard map,
+//! two ingests never write one conversation, and a new owner's seqs start
+//! past everything the old owner leased.
 
 use imdedup_core::{Error, metrics::DB_CASSANDRA};
 use scylla::value::CqlValue;
@@ -10,8 +18,91 @@ use super::{
 };
 
 impl Inner {
+    /// Lease the next block of `conversation`'s seqs as its owner.
+    pub(super) async fn lease_seqs(
+        &self,
+        conversation: &str,
+        hint: Option<u64>,
+        epoch: u64,
+    ) -> Result<Block, Error> {
+        let me = self.member.instance();
+        let size = self.options.seq_block;
+        // (next_free, owner) as last seen; the owner is us when we hold a
+        // block already.
+        let mut known: Option<(u64, Option<String>)> =
+            hint.filter(|h| *h > 0).map(|h| (h, Some(me.to_owned())));
+        for _ in 0..64 {
+            let (start, reply) = match &known {
+                None => (
+                    1,
+                    self.session
+                        .execute_unpaged(
+                            &self.statements.lease_seq_init,
+                            ("seq", conversation, to_i64(1 + size), me),
+                        )
+                        .await,
+                ),
+                Some((start, owner)) => {
+                    if let Some(owner) = owner.as_deref().filter(|o| *o != me)
+                        && self.member.is_alive(owner).await?
+                    {
+                        self.options.metrics.leased(DB_CASSANDRA, "conversation", true);
+                        return Err(Error::unavailable(format!(
+                            "conversation {conversation} is still written by {owner}; retry"
+                        )));
+                    }
+                    (
+                        *start,
+                        self.session
+                            .execute_unpaged(
+                                &self.statements.lease_seq_take,
+                                (
+                                    to_i64(start + size),
+                                    me,
+                                    "seq",
+                                    conversation,
+                                    to_i64(*start),
+                                    owner.as_deref(),
+                                ),
+                            )
+                            .await,
+                    )
+                }
+            };
+            let (applied, current) = lwt(reply.map_err(|e| db_error("lease", e))?)?;
+            self.options
+                .metrics
+                .leased(DB_CASSANDRA, "conversation", !applied);
+            if applied {
+                if known.as_ref().is_some_and(|(_, owner)| owner.as_deref() != Some(me)) {
+                    tracing::info!(conversation, start, "took a conversation over");
+                }
+                return Ok(Block {
+                    next: start,
+                    end: start + size,
+                    epoch,
+                });
+            }
+            known = match current.get("next_free") {
+                Some(Some(CqlValue::BigInt(v))) => Some((
+                    u64::try_from(*v).unwrap_or_default(),
+                    match current.get("owner") {
+                        Some(Some(CqlValue::Text(o))) => Some(o.clone()),
+                        _ => None,
+                    },
+                )),
+                // The row does not exist yet (an UPDATE … IF on no row).
+                _ => None,
+            };
+        }
+        Err(Error::unavailable(format!(
+            "could not lease seqs of {conversation}: too much contention"
+        )))
+    }
+
     /// Lease the next `size` numbers of (scope, name): an LWT on the lease
-    /// row, retried when another process leased first.
+    /// row, retried when another process leased first. No owner: for
+    /// numbers every process draws from (server ids).
     pub(super) async fn lease(
         &self,
         scope: &str,
@@ -45,17 +136,15 @@ impl Inner {
                 ),
             };
             let (applied, current) = lwt(reply.map_err(|e| db_error("lease", e))?)?;
-            let kind = if scope == "seq" {
-                "conversation"
-            } else {
-                "server_id"
-            };
-            self.options.metrics.leased(DB_CASSANDRA, kind, !applied);
+            self.options
+                .metrics
+                .leased(DB_CASSANDRA, "server_id", !applied);
             if applied {
                 tracing::debug!(scope, name, start, size, "leased a block");
                 return Ok(Block {
                     next: start,
                     end: start + size,
+                    epoch: 0,
                 });
             }
             known = match current.get("next_free") {

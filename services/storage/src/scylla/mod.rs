@@ -6,27 +6,29 @@
 //!   applied, the existing row comes back and its server id and seq are
 //!   echoed. ScyllaDB returns the old row on every LWT reply, Cassandra only
 //!   when not applied, so replies are read by column name, untyped.
-//! - `messages_by_conversation`, keyed by (conversation, seq): history.
-//! - `leases`: blocks of seqs per conversation, and of server ids, leased
-//!   with LWTs, so no seq or id is ever handed out twice, across restarts and
-//!   failover.
+//! - `messages_by_conversation`, keyed by (conversation, seq): history,
+//!   each row pending, committed or abandoned ([`publish`]).
+//! - `leases`: blocks of seqs per conversation, with the instance that owns
+//!   the conversation, and blocks of server ids, leased with LWTs, so no seq
+//!   or id is ever handed out twice, across restarts and failover.
+//! - `members`: the writer processes alive ([`members`]).
 //!
-//! Inserts for one conversation are serialised in this process (allocate a
-//! seq, LWT, history row), so a message stored later never gets a smaller
-//! seq, and a repeat gives its seq back. Where gaps can appear: a lease
-//! block abandoned by a restart or a failover, and an LWT whose outcome is
-//! unknown (timeout). History pulls are range-based, so gaps are harmless.
-//!
-//! A crash between the unique-key row and the history row leaves a row that
-//! was never ACKed; the phone resends, the LWT is not applied, and the
-//! history row is written again from the stored row (an idempotent write).
+//! One insert, under its conversation's lock in this process: take a seq
+//! from the conversation's block (leasing one, as its owner, when needed);
+//! write the history row pending; the LWT; commit the row. Readers stop at
+//! a pending row, so a cursor never passes a seq that may still appear;
+//! gaps (a repeat's abandoned seq, a block left behind by a restart) are
+//! harmless, as history pulls are range-based.
 //!
 //! Files: [`options`] (settings), [`session`] (connecting), [`schema`] (the
 //! tables), [`rows`] (reading replies), [`leases`] (seq and server-id
-//! blocks); the store and its insert are here.
+//! blocks), [`members`] (writer membership), [`publish`] (pending rows and
+//! what readers see); the store and its insert are here.
 
 mod leases;
+mod members;
 mod options;
+mod publish;
 mod rows;
 mod schema;
 mod session;
@@ -48,21 +50,27 @@ use tokio::sync::Mutex;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-pub use options::{ScyllaOptions, parse_consistency, parse_serial_consistency};
+pub use options::{Faults, ScyllaOptions, parse_consistency, parse_serial_consistency};
 pub use schema::{is_scylla, migrate};
 pub use session::connect;
 
 use crate::locks::LockTable;
 use options::check_keyspace_name;
+use members::Membership;
 use rows::{db_error, lwt, maybe_stored, rows, to_i64, to_message};
 
 struct Statements {
     insert_key: PreparedStatement,
-    insert_history: PreparedStatement,
+    insert_pending: PreparedStatement,
+    commit_history: PreparedStatement,
+    abandon_history: PreparedStatement,
     select_key: PreparedStatement,
+    select_key_serial: PreparedStatement,
     history: PreparedStatement,
     lease_init: PreparedStatement,
     lease_cas: PreparedStatement,
+    lease_seq_init: PreparedStatement,
+    lease_seq_take: PreparedStatement,
 }
 
 /// A half-open range of numbers this process may hand out.
@@ -70,6 +78,8 @@ struct Statements {
 struct Block {
     next: u64,
     end: u64,
+    /// The membership epoch it was leased in; void in a later one.
+    epoch: u64,
 }
 
 /// The ScyllaDB [`MessageStore`].
@@ -92,6 +102,8 @@ struct Inner {
     /// it is read and written back under the conversation's lock, and a
     /// block forgotten leaves a gap, never a seq handed out twice.
     seq_blocks: moka::sync::Cache<String, Block>,
+    /// This process as a writer: owner of the conversations it leases.
+    member: Arc<Membership>,
     server_ids: Mutex<Block>,
     /// Inserts running in their own tasks, waited for by `drain`.
     running: TaskTracker,
@@ -101,6 +113,7 @@ impl ScyllaStore {
     /// Connect, migrate (unless `options.migrate` is off), and prepare the
     /// statements.
     pub async fn open(options: ScyllaOptions) -> Result<Self, Error> {
+        options.check()?;
         let session = connect(&options).await?;
         let migrated = options.migrate;
         if migrated {
@@ -152,6 +165,17 @@ impl ScyllaStore {
         };
         const COLUMNS: &str =
             "sender, client_msg_id, conversation, body, server_id, seq, stored_at_ms";
+        let mut serial = prepare(
+            format!("SELECT {COLUMNS} FROM {ks}.messages_by_key WHERE sender = ? AND client_msg_id = ?"),
+            false,
+        )
+        .await?;
+        serial.set_consistency(match options.serial_consistency {
+            scylla::statement::SerialConsistency::Serial => scylla::statement::Consistency::Serial,
+            scylla::statement::SerialConsistency::LocalSerial => {
+                scylla::statement::Consistency::LocalSerial
+            }
+        });
         let statements = Statements {
             insert_key: prepare(
                 format!(
@@ -160,11 +184,31 @@ impl ScyllaStore {
                 true,
             )
             .await?,
-            insert_history: prepare(
-                format!("INSERT INTO {ks}.messages_by_conversation ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"),
+            insert_pending: prepare(
+                format!(
+                    "INSERT INTO {ks}.messages_by_conversation ({COLUMNS}, pending, abandoned) \
+                     VALUES (?, ?, ?, ?, ?, ?, ?, true, false)"
+                ),
                 false,
             )
             .await?,
+            commit_history: prepare(
+                format!(
+                    "INSERT INTO {ks}.messages_by_conversation ({COLUMNS}, committed) \
+                     VALUES (?, ?, ?, ?, ?, ?, ?, true)"
+                ),
+                false,
+            )
+            .await?,
+            abandon_history: prepare(
+                format!(
+                    "UPDATE {ks}.messages_by_conversation SET abandoned = true \
+                     WHERE conversation = ? AND seq = ?"
+                ),
+                false,
+            )
+            .await?,
+            select_key_serial: serial,
             select_key: prepare(
                 format!("SELECT {COLUMNS} FROM {ks}.messages_by_key WHERE sender = ? AND client_msg_id = ?"),
                 false,
@@ -172,7 +216,8 @@ impl ScyllaStore {
             .await?,
             history: prepare(
                 format!(
-                    "SELECT {COLUMNS} FROM {ks}.messages_by_conversation \
+                    "SELECT {COLUMNS}, pending, committed, abandoned \
+                     FROM {ks}.messages_by_conversation \
                      WHERE conversation = ? AND seq > ? ORDER BY seq ASC LIMIT ?"
                 ),
                 false,
@@ -188,7 +233,24 @@ impl ScyllaStore {
                 true,
             )
             .await?,
+            lease_seq_init: prepare(
+                format!(
+                    "INSERT INTO {ks}.leases (scope, name, next_free, owner) \
+                     VALUES (?, ?, ?, ?) IF NOT EXISTS"
+                ),
+                true,
+            )
+            .await?,
+            lease_seq_take: prepare(
+                format!(
+                    "UPDATE {ks}.leases SET next_free = ?, owner = ? \
+                     WHERE scope = ? AND name = ? IF next_free = ? AND owner = ?"
+                ),
+                true,
+            )
+            .await?,
         };
+        let member = Membership::join(Arc::clone(&session), &options).await?;
         Ok(Self {
             inner: Arc::new(Inner {
                 session,
@@ -199,22 +261,11 @@ impl ScyllaStore {
                     .time_to_idle(Duration::from_secs(600))
                     .build(),
                 server_ids: Mutex::new(Block::default()),
+                member,
                 running: TaskTracker::new(),
                 options,
             }),
         })
-    }
-}
-
-impl Inner {
-    async fn write_history(&self, row: &StoredMessage) -> Result<(), Error> {
-        self.session
-            .execute_unpaged(&self.statements.insert_history, columns(row))
-            .await
-            // The unique-key row is written: the message is stored, not yet
-            // in the history. The resend rewrites the history row.
-            .map_err(|e| maybe_stored("history write", e))?;
-        Ok(())
     }
 }
 
@@ -234,7 +285,11 @@ fn columns(row: &StoredMessage) -> (&str, &[u8], &str, &str, i64, i64, i64) {
 fn unix_millis() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .map_or(0, |d| millis(d))
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
 impl Inner {
@@ -257,14 +312,17 @@ impl Inner {
         let conversation = message.conversation.as_str().to_owned();
         // One insert at a time per conversation: seqs follow storage order.
         let locked = self.locks.lock(&conversation).await?;
-        let mut seqs = self.seq_blocks.get(&conversation).unwrap_or_default();
-        if seqs.next >= seqs.end {
+        // Writes start only while this process's membership holds.
+        let epoch = self.member.writable()?;
+        let cached = self.seq_blocks.get(&conversation).unwrap_or_default();
+        let mut seqs = cached;
+        if seqs.epoch != epoch || seqs.next >= seqs.end {
             seqs = self
-                .lease("seq", &conversation, self.options.seq_block, Some(seqs.end))
+                .lease_seqs(&conversation, Some(cached.end), epoch)
                 .await?;
         }
         // Reserved now: whatever happens next, this seq is never handed
-        // out twice; only a definite "not applied" gives it back.
+        // out twice.
         let seq = seqs.next;
         seqs.next += 1;
         self.seq_blocks.insert(conversation.clone(), seqs);
@@ -278,6 +336,14 @@ impl Inner {
             body: message.body.into_string(),
             stored_at_ms: unix_millis(),
         };
+        // Readers stop at this row until it is committed or abandoned.
+        self.write_pending(&row).await?;
+        if unix_millis() - row.stored_at_ms > millis(self.options.request_timeout) {
+            // Too slow to start the LWT now: readers must be able to tell,
+            // once the fence passes, that no LWT for this row can still run.
+            self.abandon(&row).await?;
+            return Err(Error::unavailable("the database is slow; retry"));
+        }
         let reply = self
             .session
             .execute_unpaged(&self.statements.insert_key, columns(&row))
@@ -294,24 +360,39 @@ impl Inner {
         let (applied, existing) = match reply {
             Ok(reply) => lwt(reply)?,
             Err(e) => {
-                // The outcome is unknown: the seq stays spent (a possible gap),
-                // and the resend decides.
+                // The outcome is unknown: the row stays pending, the resend
+                // (or a reader, after the fence) settles it.
                 return Err(maybe_stored("insert", e));
             }
         };
         self.options.metrics.inserted(DB_CASSANDRA, applied);
         if applied {
-            // Still under the lock: a reader never sees seq n+1 before n.
-            self.write_history(&row).await?;
+            self.commit(&row).await?;
             Ok(Insert::Stored(row))
         } else {
-            // A repeat: the seq was not used, keep it for the next message.
-            seqs.next -= 1;
-            self.seq_blocks.insert(conversation, seqs);
+            // A repeat: the seq was not used. Once its row is marked
+            // abandoned, the next message takes the seq again (its pending
+            // write, later from this process's clock, clears the mark), so
+            // repeats leave no gaps.
+            match self.abandon(&row).await {
+                Ok(()) => {
+                    if let Some(mut block) = self.seq_blocks.get(&conversation)
+                        && block.next == seq + 1
+                    {
+                        block.next = seq;
+                        self.seq_blocks.insert(conversation, block);
+                    }
+                }
+                Err(e) => tracing::warn!(
+                    error = %e,
+                    seq,
+                    "could not abandon a pending row; readers settle it after the fence"
+                ),
+            }
             drop(locked);
             let original = to_message(&existing)?;
-            // Repairs a history row lost to a crash after the LWT.
-            self.write_history(&original).await?;
+            // Commits the original if its own commit was lost.
+            self.commit(&original).await?;
             Ok(Insert::AlreadyStored(original))
         }
     }
@@ -332,17 +413,7 @@ impl ScyllaStore {
     }
 
     async fn history_uncounted(&self, query: &HistoryQuery) -> Result<Vec<StoredMessage>, Error> {
-        let limit = i32::try_from(query.limit).unwrap_or(i32::MAX);
-        let result = self
-            .inner
-            .session
-            .execute_unpaged(
-                &self.inner.statements.history,
-                (query.conversation.as_str(), to_i64(query.after_seq), limit),
-            )
-            .await
-            .map_err(|e| db_error("history", e))?;
-        rows(result)?.iter().map(to_message).collect()
+        self.inner.published(query).await
     }
 }
 
@@ -375,5 +446,10 @@ impl MessageStore for ScyllaStore {
     async fn drain(&self) {
         self.inner.running.close();
         self.inner.running.wait().await;
+        // Every write of ours has ended: others may take our conversations.
+        self.inner
+            .member
+            .relinquish(&self.inner.options.member_name)
+            .await;
     }
 }

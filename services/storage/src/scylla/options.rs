@@ -1,6 +1,9 @@
 //! The store's settings and the names of consistency levels.
 
-use std::time::Duration;
+use std::{
+    sync::atomic::{AtomicU32, AtomicU64, Ordering},
+    time::Duration,
+};
 
 use imdedup_core::{Error, metrics::StoreMetrics};
 use scylla::statement::{Consistency, SerialConsistency};
@@ -39,6 +42,61 @@ pub struct ScyllaOptions {
     /// separate step migrates (`imdedup migrate`, the Helm hook), so pods
     /// never race on schema changes.
     pub migrate: bool,
+    /// The name this process registers under (an ingest's shard name); a
+    /// random suffix makes each process's instance unique.
+    pub member_name: String,
+    /// How long one heartbeat keeps this process's membership: the
+    /// conversations it leased stay its own while it renews. Past it (a
+    /// crash, a partition), another process may take them over.
+    pub member_ttl: Duration,
+    /// Most difference between two processes' clocks this store allows for.
+    pub clock_skew: Duration,
+    /// Age past which a reader settles a pending history row itself (its
+    /// writer crashed, or its commit failed and the phone never resent).
+    /// Until then, readers stop at it.
+    pub pending_fence: Duration,
+    /// Faults to inject, for tests and the fault scenarios.
+    pub faults: Faults,
+}
+
+/// Faults the store injects on purpose: failing the write that publishes a
+/// stored message (the history row's commit). Off unless set.
+#[derive(Debug, Clone, Default)]
+pub struct Faults {
+    inner: std::sync::Arc<FaultCounters>,
+}
+
+#[derive(Debug, Default)]
+struct FaultCounters {
+    next_commits: AtomicU64,
+    commit_rate_ppm: AtomicU32,
+    rolls: AtomicU64,
+}
+
+impl Faults {
+    /// Fail the next `n` commits.
+    pub fn fail_next_commits(&self, n: u64) {
+        self.inner.next_commits.store(n, Ordering::SeqCst);
+    }
+
+    /// Fail this share of commits (0.0 to 1.0).
+    pub fn fail_commits_at_rate(&self, rate: f64) {
+        let ppm = (rate.clamp(0.0, 1.0) * 1_000_000.0) as u32;
+        self.inner.commit_rate_ppm.store(ppm, Ordering::SeqCst);
+    }
+
+    /// Whether this commit is to fail.
+    pub(super) fn commit_fails(&self) -> bool {
+        let counters = &self.inner;
+        let counted = counters
+            .next_commits
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        let ppm = u64::from(counters.commit_rate_ppm.load(Ordering::Relaxed));
+        // A cheap, evenly spread sequence: every (1e6 / ppm)-th commit.
+        let roll = counters.rolls.fetch_add(1, Ordering::Relaxed);
+        counted || (ppm > 0 && (roll.wrapping_mul(ppm) % 1_000_000) < ppm)
+    }
 }
 
 impl ScyllaOptions {
@@ -60,7 +118,37 @@ impl ScyllaOptions {
             local_dc: None,
             metrics: StoreMetrics::default(),
             migrate: true,
+            member_name: "imdedup".to_owned(),
+            member_ttl: Duration::from_secs(10),
+            clock_skew: Duration::from_secs(2),
+            pending_fence: Duration::from_secs(30),
+            faults: Faults::default(),
         }
+    }
+
+    /// How long after another process's last heartbeat ran out its
+    /// conversations may be taken: its last writes have landed or failed.
+    pub fn handover_grace(&self) -> Duration {
+        self.request_timeout + self.clock_skew
+    }
+
+    /// Refuse timings under which a fence would not hold.
+    pub fn check(&self) -> Result<(), Error> {
+        if self.member_ttl < self.request_timeout * 2 {
+            return Err(Error::invalid(format!(
+                "the membership TTL ({:?}) must be at least twice the request timeout ({:?})",
+                self.member_ttl, self.request_timeout
+            )));
+        }
+        let least = self.request_timeout * 2 + self.clock_skew + LWT_SERVER_MARGIN;
+        if self.pending_fence < least {
+            return Err(Error::invalid(format!(
+                "the pending fence ({:?}) must be at least {least:?}: twice the request \
+                 timeout, the clock skew and {LWT_SERVER_MARGIN:?} for the servers' own timeouts",
+                self.pending_fence
+            )));
+        }
+        Ok(())
     }
 
     /// Settings for a single local node: RF 1. LOCAL_QUORUM of one is one.
@@ -71,6 +159,11 @@ impl ScyllaOptions {
         }
     }
 }
+
+/// How long a server may keep working on an LWT after its client gave up
+/// (ScyllaDB's and Cassandra's CAS contention and write timeouts, 1 s and 2 s
+/// by default).
+pub const LWT_SERVER_MARGIN: Duration = Duration::from_secs(5);
 
 /// Parse a consistency level name (`local_quorum`, `quorum`, `one`, …).
 pub fn parse_consistency(raw: &str) -> Result<Consistency, Error> {

@@ -63,13 +63,18 @@ pub async fn migrate(session: &Session, options: &ScyllaOptions) -> Result<(), E
             "CREATE TABLE IF NOT EXISTS {ks}.messages_by_conversation (
                 conversation text, seq bigint,
                 sender text, client_msg_id blob, server_id bigint, body text, stored_at_ms bigint,
+                pending boolean, committed boolean, abandoned boolean,
                 PRIMARY KEY ((conversation), seq))
              WITH CLUSTERING ORDER BY (seq ASC)"
         ),
         format!(
             "CREATE TABLE IF NOT EXISTS {ks}.leases (
-                scope text, name text, next_free bigint,
+                scope text, name text, next_free bigint, owner text,
                 PRIMARY KEY ((scope, name)))"
+        ),
+        format!(
+            "CREATE TABLE IF NOT EXISTS {ks}.members (
+                instance text PRIMARY KEY, name text, until_ms bigint)"
         ),
     ];
     for statement in tables {
@@ -78,9 +83,55 @@ pub async fn migrate(session: &Session, options: &ScyllaOptions) -> Result<(), E
             .await
             .map_err(|e| db_error("create table", e))?;
     }
+    // Columns added since the first release, on keyspaces made before them.
+    add_missing_columns(
+        session,
+        ks,
+        "messages_by_conversation",
+        &[
+            ("pending", "boolean"),
+            ("committed", "boolean"),
+            ("abandoned", "boolean"),
+        ],
+    )
+    .await?;
+    add_missing_columns(session, ks, "leases", &[("owner", "text")]).await?;
     session
         .await_schema_agreement()
         .await
         .map_err(|e| db_error("schema agreement", e))?;
+    Ok(())
+}
+
+/// Add the columns `table` lacks (ScyllaDB has no `ADD IF NOT EXISTS`).
+async fn add_missing_columns(
+    session: &Session,
+    ks: &str,
+    table: &str,
+    columns: &[(&str, &str)],
+) -> Result<(), Error> {
+    let result = session
+        .query_unpaged(
+            "SELECT column_name FROM system_schema.columns \
+             WHERE keyspace_name = ? AND table_name = ?",
+            (ks, table),
+        )
+        .await
+        .map_err(|e| db_error("read schema", e))?;
+    let present: Vec<String> = rows(result)?
+        .iter()
+        .filter_map(|row| match row.get("column_name") {
+            Some(Some(scylla::value::CqlValue::Text(name))) => Some(name.clone()),
+            _ => None,
+        })
+        .collect();
+    for (name, kind) in columns {
+        if !present.iter().any(|p| p == name) {
+            session
+                .query_unpaged(format!("ALTER TABLE {ks}.{table} ADD {name} {kind}"), ())
+                .await
+                .map_err(|e| db_error("add column", e))?;
+        }
+    }
     Ok(())
 }

@@ -8,7 +8,7 @@ use scylla::{
     client::{
         execution_profile::ExecutionProfile, session::Session, session_builder::SessionBuilder,
     },
-    policies::load_balancing::DefaultPolicy,
+    policies::{load_balancing::DefaultPolicy, timestamp_generator::MonotonicTimestampGenerator},
     statement::SerialConsistency,
 };
 
@@ -19,7 +19,12 @@ pub async fn connect(options: &ScyllaOptions) -> Result<Session, Error> {
     if options.nodes.is_empty() {
         return Err(Error::invalid("no ScyllaDB contact point"));
     }
-    let mut builder = SessionBuilder::new().connection_timeout(Duration::from_secs(5));
+    // Client-side timestamps, increasing within this process: a later write
+    // of a cell (a heartbeat, then its relinquishing) never loses to an
+    // earlier one because two coordinators' clocks differ.
+    let mut builder = SessionBuilder::new()
+        .connection_timeout(Duration::from_secs(5))
+        .timestamp_generator(Arc::new(MonotonicTimestampGenerator::new()));
     for node in &options.nodes {
         builder = builder.known_node(node);
     }
