@@ -45,6 +45,9 @@ pub struct Audit {
     pub delivered_out_of_order: u64,
     /// Rows the followers received (0 when the run had no followers).
     pub delivered_to_followers: u64,
+    /// Two messages a phone sent one after the other into one conversation
+    /// on one connection, stored in the opposite order: must be 0.
+    pub stored_out_of_send_order: u64,
 }
 
 impl Audit {
@@ -55,6 +58,7 @@ impl Audit {
             && self.seq_order_violations == 0
             && self.missed_by_followers == 0
             && self.delivered_out_of_order == 0
+            && self.stored_out_of_send_order == 0
     }
 
     /// Compare what the followers received (`delivered`, per conversation
@@ -111,6 +115,25 @@ pub fn audit(sent: &[Sent], histories: &HashMap<String, Vec<HistoryMessage>>) ->
         }
     }
     audit.repeats = rows.values().map(|r| r.len() as u64 - 1).sum();
+
+    // Per phone connection and conversation: the seqs of the sends that
+    // stored, in the order their frames were written.
+    let mut stores: HashMap<(&str, &str), Vec<(u64, u64)>> = HashMap::new();
+    for message in sent {
+        if let Some(store) = message.trace.stored_by_frame {
+            stores
+                .entry((message.sender.as_str(), message.conversation.as_str()))
+                .or_default()
+                .push(store);
+        }
+    }
+    for stored in stores.values_mut() {
+        stored.sort_unstable();
+        audit.stored_out_of_send_order += stored
+            .windows(2)
+            .filter(|pair| pair[1].1 < pair[0].1)
+            .count() as u64;
+    }
 
     for message in sent {
         let stored = rows.get(&(message.sender.as_str(), message.id.as_slice()));
@@ -244,5 +267,22 @@ mod tests {
         let mut audit = Audit::default();
         audit.add_followers(&stored, &stored);
         assert!(audit.passed());
+    }
+
+    #[test]
+    fn sends_stored_in_another_order_than_written_are_counted() {
+        let histories =
+            HashMap::from([("c".to_owned(), vec![row("ana", "a", 1), row("ana", "b", 2)])]);
+        let mut a = sent("a", &[(101, 1)], true);
+        let mut b = sent("b", &[(102, 2)], true);
+        // Frame 1 (a) got seq 1, frame 2 (b) seq 2: in order.
+        a.trace.stored_by_frame = Some((1, 1));
+        b.trace.stored_by_frame = Some((2, 2));
+        assert!(audit(&[a.clone(), b.clone()], &histories).passed());
+        // b was written first but stored after a.
+        b.trace.stored_by_frame = Some((0, 2));
+        let result = audit(&[a, b], &histories);
+        assert_eq!(result.stored_out_of_send_order, 1);
+        assert!(!result.passed());
     }
 }

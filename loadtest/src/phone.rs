@@ -67,6 +67,9 @@ pub struct Trace {
     pub errors: Vec<String>,
     /// When the message was due, from the start of the run.
     pub due_offset: Duration,
+    /// The try that stored the message: its frame's number on the phone's
+    /// connection, and the seq it got.
+    pub stored_by_frame: Option<(u64, u64)>,
 }
 
 /// A message in the outbox.
@@ -106,10 +109,13 @@ pub async fn deliver(
             continue;
         }
         match client
-            .send(message.id, message.conversation, message.body)
+            .send_numbered(message.id, message.conversation, message.body)
             .await
         {
-            Ok(Ok(ack)) => {
+            Ok((frame, Ok(ack))) => {
+                if ack.outcome == "stored" {
+                    trace.stored_by_frame = Some((frame, ack.seq));
+                }
                 trace.server_acks.push(ack.clone());
                 if fate.ack_lost {
                     trace.acks_lost += 1;
@@ -119,7 +125,7 @@ pub async fn deliver(
                     return trace;
                 }
             }
-            Ok(Err(e)) => {
+            Ok((_, Err(e))) => {
                 let retryable = e.retryable;
                 trace.errors.push(e.code);
                 if !retryable {

@@ -196,6 +196,7 @@ impl Report {
             ("seq order violations", a.seq_order_violations, true),
             ("missed by followers", a.missed_by_followers, true),
             ("delivered out of seq order", a.delivered_out_of_order, true),
+            ("stored out of send order", a.stored_out_of_send_order, true),
             ("seq gaps", a.seq_gaps, false),
             (
                 "rows delivered to followers",

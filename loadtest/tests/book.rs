@@ -53,6 +53,7 @@ async fn a_short_book_run_loses_nothing_and_stores_nothing_twice() {
     // in seq order.
     assert_eq!(audit.missed_by_followers, 0, "{}", report.render());
     assert_eq!(audit.delivered_out_of_order, 0);
+    assert_eq!(audit.stored_out_of_send_order, 0);
     assert_eq!(audit.delivered_to_followers, audit.stored_rows);
     assert_eq!(
         report.outcomes.stored, audit.stored_rows,

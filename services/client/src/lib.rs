@@ -120,6 +120,9 @@ pub struct Client {
     closed: watch::Receiver<Option<Closed>>,
     next_ref: AtomicU64,
     reply_timeout: std::time::Duration,
+    /// Send frames written so far; taken together with the frame's place
+    /// in the socket's queue, so numbers follow the order on the wire.
+    sent_frames: Mutex<u64>,
 }
 
 impl Client {
@@ -211,6 +214,7 @@ impl Client {
             closed,
             next_ref: AtomicU64::new(1),
             reply_timeout: DEFAULT_REPLY_TIMEOUT,
+            sent_frames: Mutex::new(0),
         })
     }
 
@@ -234,8 +238,21 @@ impl Client {
         conversation: &str,
         body: &str,
     ) -> Result<Result<AckReply, ErrorReply>, ClientError> {
-        let reply = self.enqueue_send(id, conversation, body).await?;
+        let (_, reply) = self.enqueue_send(id, conversation, body).await?;
         self.send_reply(reply).await
+    }
+
+    /// [`Client::send`], also telling the send frame's place among the send
+    /// frames this connection wrote (1 for the first): the order the
+    /// gateway read them in.
+    pub async fn send_numbered(
+        &self,
+        id: &[u8],
+        conversation: &str,
+        body: &str,
+    ) -> Result<(u64, Result<AckReply, ErrorReply>), ClientError> {
+        let (number, reply) = self.enqueue_send(id, conversation, body).await?;
+        Ok((number, self.send_reply(reply).await?))
     }
 
     /// Write several sends back to back, in this order, before waiting for
@@ -247,7 +264,7 @@ impl Client {
     ) -> Result<Vec<Result<AckReply, ErrorReply>>, ClientError> {
         let mut waiting = Vec::with_capacity(sends.len());
         for (id, conversation, body) in sends {
-            waiting.push(self.enqueue_send(id, conversation, body).await?);
+            waiting.push(self.enqueue_send(id, conversation, body).await?.1);
         }
         let mut replies = Vec::with_capacity(waiting.len());
         for reply in waiting {
@@ -256,13 +273,14 @@ impl Client {
         Ok(replies)
     }
 
-    /// Queue a send frame for the socket; its reply arrives on the receiver.
+    /// Queue a send frame for the socket: its number on this connection,
+    /// and the receiver its reply arrives on.
     async fn enqueue_send(
         &self,
         id: &[u8],
         conversation: &str,
         body: &str,
-    ) -> Result<oneshot::Receiver<Reply>, ClientError> {
+    ) -> Result<(u64, oneshot::Receiver<Reply>), ClientError> {
         let frame = match self.encoding {
             Encoding::Json => {
                 let (id_text, id_b64) = json::id_to_json(id, false);
@@ -285,11 +303,14 @@ impl Client {
             .entry(id.to_vec())
             .or_default()
             .push_back(tx);
-        self.out
-            .send(frame)
-            .await
-            .map_err(|_| ClientError::Closed)?;
-        Ok(rx)
+        let slot = self.out.reserve().await.map_err(|_| ClientError::Closed)?;
+        let mut sent = self
+            .sent_frames
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *sent += 1;
+        slot.send(frame);
+        Ok((*sent, rx))
     }
 
     async fn send_reply(

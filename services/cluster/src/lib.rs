@@ -207,6 +207,7 @@ impl LocalCluster {
                         Arc::new(
                             ScyllaStore::open(ScyllaOptions {
                                 metrics: StoreMetrics::register(shard_metrics),
+                                member_name: shard_name.clone(),
                                 ..scylla.clone()
                             })
                             .await?,
@@ -214,16 +215,20 @@ impl LocalCluster {
                     ),
                 };
             admins.push(start_admin(shard_name, registry).await?);
-            let mut dedup =
-                Dedup::new(window, store, options.storage_timeout).with_metrics(metrics);
+            let mut dedup = Dedup::new(window, Arc::clone(&store), options.storage_timeout)
+                .with_metrics(metrics);
             if options.dedup_off {
                 dedup = dedup.without_dedup_for_demonstration();
             }
             let dedup = Arc::new(dedup);
             let serving = Arc::clone(&dedup);
             let max_body = options.max_body_bytes;
-            let running = spawn("ingest", move |stop| {
-                imdedup_ingest::serve(listener, serving, max_body, stop)
+            let running = spawn("ingest", move |stop| async move {
+                let served = imdedup_ingest::serve(listener, serving, max_body, stop).await;
+                // As the ingest process does: inserts finish, then the
+                // store leaves (its conversations free for a successor).
+                store.drain().await;
+                served
             });
             ingests.push((running, dedup));
         }
@@ -380,12 +385,15 @@ async fn start_storage(
         Backends::Real { scylla, .. } => Arc::new(
             ScyllaStore::open(ScyllaOptions {
                 metrics,
+                member_name: "storage".to_owned(),
                 ..scylla.clone()
             })
             .await?,
         ),
     };
-    Ok(spawn("storage", move |stop| {
-        imdedup_storage::serve(listener, store, stop)
+    Ok(spawn("storage", move |stop| async move {
+        let served = imdedup_storage::serve(listener, Arc::clone(&store), stop).await;
+        store.drain().await;
+        served
     }))
 }

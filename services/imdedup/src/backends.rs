@@ -146,6 +146,18 @@ pub struct ScyllaArgs {
         action = clap::ArgAction::Set
     )]
     pub scylla_migrate: bool,
+    /// How long one heartbeat keeps a writer's conversations its own; past
+    /// it (a crash, a partition) another writer may take them over.
+    #[arg(long, env = "IMDEDUP_SCYLLA_MEMBER_TTL", default_value = "10s", value_parser = duration)]
+    pub scylla_member_ttl: Duration,
+    /// Most difference between two processes' clocks allowed for.
+    #[arg(long, env = "IMDEDUP_SCYLLA_CLOCK_SKEW", default_value = "2s", value_parser = duration)]
+    pub scylla_clock_skew: Duration,
+    /// Age past which a reader settles a pending history row itself (its
+    /// writer died between its writes and no resend came). Until then
+    /// readers of that conversation stop before it.
+    #[arg(long, env = "IMDEDUP_SCYLLA_PENDING_FENCE", default_value = "30s", value_parser = duration)]
+    pub scylla_pending_fence: Duration,
 }
 
 impl ScyllaArgs {
@@ -173,6 +185,10 @@ impl ScyllaArgs {
         options.request_timeout = self.scylla_timeout;
         options.migrate = self.scylla_migrate;
         options.local_dc = self.scylla_local_dc.clone();
+        options.member_ttl = self.scylla_member_ttl;
+        options.clock_skew = self.scylla_clock_skew;
+        options.pending_fence = self.scylla_pending_fence;
+        options.check()?;
         Ok(Some(options))
     }
 }

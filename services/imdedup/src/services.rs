@@ -110,6 +110,10 @@ pub struct IngestArgs {
     /// `imdedup-load --embedded --no-dedup`).
     #[arg(long, hide = true)]
     pub no_dedup: bool,
+    /// Fail this share (0 to 1) of the writes that publish a stored
+    /// message, as if the database had timed out: for fault tests only.
+    #[arg(long, env = "IMDEDUP_FAULT_COMMIT_FAILURES", hide = true)]
+    pub fault_commit_failures: Option<f64>,
     #[command(flatten)]
     pub redis: RedisArgs,
     /// With --scylla, the shard writes to ScyllaDB itself (it owns its
@@ -244,7 +248,15 @@ enum StorageBackend {
 impl StorageArgs {
     fn backend(&self) -> anyhow::Result<StorageBackend> {
         Ok(match self.scylla.options()? {
-            Some(scylla) => StorageBackend::Scylla(scylla),
+            Some(mut scylla) => {
+                // Unique per pod: storage replicas that insert never take
+                // each other's conversations as their own predecessor's.
+                scylla.member_name = format!(
+                    "storage-{}",
+                    shard_name(None, std::env::var("HOSTNAME").ok())
+                );
+                StorageBackend::Scylla(scylla)
+            }
             None => {
                 let mut options = SqliteOptions::new(self.data_dir.join("messages.db"));
                 options.max_batch = self.max_batch;
@@ -313,10 +325,20 @@ impl IngestArgs {
             let map = ShardMap::parse(&self.shards).context("--shards")?;
             Some(Ownership::new(map, &shard).context("--shards and --shard-name")?)
         };
+        let scylla = self.scylla.options()?.map(|mut scylla| {
+            // Conversations are owned under the shard's name: a restart
+            // under the same name takes its own back.
+            scylla.member_name.clone_from(&shard);
+            if let Some(rate) = self.fault_commit_failures {
+                tracing::warn!(rate, "injecting history commit failures");
+                scylla.faults.fail_commits_at_rate(rate);
+            }
+            scylla
+        });
         Ok(IngestPlan {
             shard,
             ownership,
-            scylla: self.scylla.options()?,
+            scylla,
             redis: self.redis.options(self.window_ttl, self.claim_ttl)?,
         })
     }

@@ -103,7 +103,11 @@ async fn a_reader_settles_a_row_nobody_resends_once_the_fence_passes() {
 
     tokio::time::sleep(options.pending_fence + Duration::from_millis(500)).await;
     let rows = store.history(&history("c", 0)).await.unwrap();
-    assert_eq!(seqs(&rows).len(), 2, "A settled and shown, the orphan skipped");
+    assert_eq!(
+        seqs(&rows).len(),
+        2,
+        "A settled and shown, the orphan skipped"
+    );
     assert_eq!(rows[0].body, "A");
     assert_eq!(rows[1], *b.message());
     // Settled for good: the same answer again, without waiting.
@@ -191,6 +195,36 @@ async fn a_crashed_owner_is_taken_over_once_its_membership_runs_out() {
     tokio::time::sleep(options.member_ttl + options.handover_grace() + Duration::from_millis(500))
         .await;
     let second = two
+        .insert_once(message("ana", "m2", "c", "two"))
+        .await
+        .unwrap();
+    assert!(second.message().receipt.seq > first.message().receipt.seq);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_restarted_under_its_name_takes_its_conversations_back_after_the_grace() {
+    let Some(options) = scylla_options() else {
+        return;
+    };
+    let mut options = quick(options, "ingest-0");
+    // Long heartbeats: only the same-name rule can hand over in time.
+    options.member_ttl = Duration::from_secs(60);
+    let one = ScyllaStore::open(options.clone()).await.unwrap();
+    let first = one
+        .insert_once(message("ana", "m1", "c", "one"))
+        .await
+        .unwrap();
+    drop(one); // SIGKILL
+    let restarted = ScyllaStore::open(options.clone()).await.unwrap();
+    // Up for less than the grace: the old process's last writes may not
+    // have ended yet.
+    let early = restarted
+        .insert_once(message("ana", "m2", "c", "two"))
+        .await
+        .unwrap_err();
+    assert_eq!(early.kind(), ErrorKind::Unavailable, "{early}");
+    tokio::time::sleep(options.handover_grace()).await;
+    let second = restarted
         .insert_once(message("ana", "m2", "c", "two"))
         .await
         .unwrap();

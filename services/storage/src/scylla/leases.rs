@@ -46,7 +46,9 @@ impl Inner {
                     if let Some(owner) = owner.as_deref().filter(|o| *o != me)
                         && self.member.is_alive(owner).await?
                     {
-                        self.options.metrics.leased(DB_CASSANDRA, "conversation", true);
+                        self.options
+                            .metrics
+                            .leased(DB_CASSANDRA, "conversation", true);
                         return Err(Error::unavailable(format!(
                             "conversation {conversation} is still written by {owner}; retry"
                         )));
@@ -74,7 +76,10 @@ impl Inner {
                 .metrics
                 .leased(DB_CASSANDRA, "conversation", !applied);
             if applied {
-                if known.as_ref().is_some_and(|(_, owner)| owner.as_deref() != Some(me)) {
+                if known
+                    .as_ref()
+                    .is_some_and(|(_, owner)| owner.as_deref() != Some(me))
+                {
                     tracing::info!(conversation, start, "took a conversation over");
                 }
                 return Ok(Block {

@@ -9,6 +9,12 @@
 //! or its heartbeat ran out and the handover grace passed, by which time
 //! every write it started has landed or failed.
 //!
+//! A process that restarts under the same name (a StatefulSet pod keeps its
+//! name; names are unique, as the shard map requires) is its own
+//! predecessor's successor: once it has been up for the handover grace, the
+//! predecessor's writes have all ended, and it takes the conversations back
+//! without waiting for the old heartbeat to run out.
+//!
 //! The owner fences itself: it starts a write only while its last
 //! successful heartbeat is fresh enough that the write ends before the row
 //! runs out. Once that lapses, its cached seq blocks are void (the epoch
@@ -23,19 +29,20 @@ use std::{
 };
 
 use imdedup_core::Error;
-use scylla::{
-    client::session::Session, statement::prepared::PreparedStatement, value::CqlValue,
-};
+use scylla::{client::session::Session, statement::prepared::PreparedStatement, value::CqlValue};
 use tokio::task::JoinHandle;
 
 use super::{
-    ScyllaOptions, unix_millis,
+    ScyllaOptions,
     rows::{db_error, rows},
+    unix_millis,
 };
 
 /// This process's membership and the statements it needs.
 pub(super) struct Membership {
     instance: String,
+    name: String,
+    joined: std::time::Instant,
     session: Arc<Session>,
     heartbeat: PreparedStatement,
     alive: PreparedStatement,
@@ -79,6 +86,8 @@ impl Membership {
         alive.set_is_idempotent(true);
         let member = Arc::new(Self {
             instance: format!("{}#{:016x}", options.member_name, rand::random::<u64>()),
+            name: options.member_name.clone(),
+            joined: std::time::Instant::now(),
             session,
             heartbeat,
             alive,
@@ -90,10 +99,9 @@ impl Membership {
             grace: options.handover_grace(),
             renewals: std::sync::Mutex::new(None),
         });
-        member.renew(&options.member_name).await?;
+        member.renew().await?;
         tracing::info!(instance = %member.instance, "joined as a writer");
         let weak = Arc::downgrade(&member);
-        let name = options.member_name.clone();
         let every = options.member_ttl / 4;
         let task = tokio::spawn(async move {
             loop {
@@ -102,7 +110,7 @@ impl Membership {
                 if member.left.load(Ordering::SeqCst) {
                     return;
                 }
-                if let Err(e) = member.renew(&name).await {
+                if let Err(e) = member.renew().await {
                     tracing::warn!(error = %e, instance = %member.instance, "membership heartbeat failed");
                 }
             }
@@ -116,12 +124,15 @@ impl Membership {
     }
 
     /// One heartbeat: the row says until when others must keep off.
-    async fn renew(&self, name: &str) -> Result<(), Error> {
+    async fn renew(&self) -> Result<(), Error> {
         let started = unix_millis();
         let until = started + millis(self.ttl);
         let row_ttl = i32::try_from((self.ttl + self.grace).as_secs() * 2 + 1).unwrap_or(i32::MAX);
         self.session
-            .execute_unpaged(&self.heartbeat, (&self.instance, name, until, row_ttl))
+            .execute_unpaged(
+                &self.heartbeat,
+                (&self.instance, &self.name, until, row_ttl),
+            )
             .await
             .map_err(|e| db_error("heartbeat", e))?;
         // A write started before `until - request_timeout` has ended
@@ -153,21 +164,28 @@ impl Membership {
         if instance == self.instance {
             return Ok(true);
         }
+        let name = instance.rsplit_once('#').map_or(instance, |(name, _)| name);
+        if name == self.name && self.joined.elapsed() >= self.grace {
+            // Our predecessor under this name: gone, and its writes ended.
+            return Ok(false);
+        }
         let result = self
             .session
             .execute_unpaged(&self.alive, (instance,))
             .await
             .map_err(|e| db_error("membership", e))?;
-        let until = rows(result)?.first().and_then(|row| match row.get("until_ms") {
-            Some(Some(CqlValue::BigInt(v))) => Some(*v),
-            _ => None,
-        });
+        let until = rows(result)?
+            .first()
+            .and_then(|row| match row.get("until_ms") {
+                Some(Some(CqlValue::BigInt(v))) => Some(*v),
+                _ => None,
+            });
         Ok(until.is_some_and(|until| unix_millis() <= until + millis(self.grace)))
     }
 
     /// Leave at a clean shutdown, after the last write: others may take
     /// this process's conversations at once.
-    pub(super) async fn relinquish(&self, name: &str) {
+    pub(super) async fn relinquish(&self) {
         self.left.store(true, Ordering::SeqCst);
         if let Some(task) = self
             .renewals
@@ -180,7 +198,10 @@ impl Membership {
         let row_ttl = i32::try_from(self.grace.as_secs() * 2 + 1).unwrap_or(i32::MAX);
         match self
             .session
-            .execute_unpaged(&self.heartbeat, (&self.instance, name, 0_i64, row_ttl))
+            .execute_unpaged(
+                &self.heartbeat,
+                (&self.instance, &self.name, 0_i64, row_ttl),
+            )
             .await
         {
             Ok(_) => tracing::info!(instance = %self.instance, "relinquished membership"),

@@ -55,8 +55,8 @@ pub use schema::{is_scylla, migrate};
 pub use session::connect;
 
 use crate::locks::LockTable;
-use options::check_keyspace_name;
 use members::Membership;
+use options::check_keyspace_name;
 use rows::{db_error, lwt, maybe_stored, rows, to_i64, to_message};
 
 struct Statements {
@@ -104,6 +104,10 @@ struct Inner {
     seq_blocks: moka::sync::Cache<String, Block>,
     /// This process as a writer: owner of the conversations it leases.
     member: Arc<Membership>,
+    /// Pending rows whose LWT failed with an unknown outcome, by key: the
+    /// next LWT of the same key (the phone's resend) settles them at once
+    /// instead of leaving readers waiting for the fence.
+    in_doubt: moka::sync::Cache<MessageKey, StoredMessage>,
     server_ids: Mutex<Block>,
     /// Inserts running in their own tasks, waited for by `drain`.
     running: TaskTracker,
@@ -166,7 +170,9 @@ impl ScyllaStore {
         const COLUMNS: &str =
             "sender, client_msg_id, conversation, body, server_id, seq, stored_at_ms";
         let mut serial = prepare(
-            format!("SELECT {COLUMNS} FROM {ks}.messages_by_key WHERE sender = ? AND client_msg_id = ?"),
+            format!(
+                "SELECT {COLUMNS} FROM {ks}.messages_by_key WHERE sender = ? AND client_msg_id = ?"
+            ),
             false,
         )
         .await?;
@@ -262,6 +268,10 @@ impl ScyllaStore {
                     .build(),
                 server_ids: Mutex::new(Block::default()),
                 member,
+                in_doubt: moka::sync::Cache::builder()
+                    .max_capacity(100_000)
+                    .time_to_live(options.pending_fence)
+                    .build(),
                 running: TaskTracker::new(),
                 options,
             }),
@@ -362,10 +372,26 @@ impl Inner {
             Err(e) => {
                 // The outcome is unknown: the row stays pending, the resend
                 // (or a reader, after the fence) settles it.
+                self.in_doubt.insert(row.key.clone(), row);
                 return Err(maybe_stored("insert", e));
             }
         };
         self.options.metrics.inserted(DB_CASSANDRA, applied);
+        if let Some(earlier) = self.in_doubt.remove(&row.key) {
+            // The key's fate is known now: an earlier try whose LWT failed
+            // either stored it (the row it left is the original, committed
+            // below) or can never apply (its seq is abandoned).
+            let settled = if applied {
+                &row
+            } else {
+                &to_message(&existing)?
+            };
+            if settled.receipt != earlier.receipt
+                && let Err(e) = self.abandon(&earlier).await
+            {
+                tracing::warn!(error = %e, seq = earlier.receipt.seq, "could not abandon a pending row; readers settle it after the fence");
+            }
+        }
         if applied {
             self.commit(&row).await?;
             Ok(Insert::Stored(row))
@@ -447,9 +473,6 @@ impl MessageStore for ScyllaStore {
         self.inner.running.close();
         self.inner.running.wait().await;
         // Every write of ours has ended: others may take our conversations.
-        self.inner
-            .member
-            .relinquish(&self.inner.options.member_name)
-            .await;
+        self.inner.member.relinquish().await;
     }
 }

@@ -30,8 +30,9 @@ use imdedup_core::{
 use scylla::value::CqlValue;
 
 use super::{
-    Inner, columns, millis, unix_millis,
+    Inner, columns, millis,
     rows::{db_error, maybe_stored, rows, to_i64, to_message},
+    unix_millis,
 };
 
 /// Where a history row stands.
@@ -93,7 +94,10 @@ impl Inner {
 
     /// Rows after the cursor, in seq order, up to the first row that may
     /// still change.
-    pub(super) async fn published(&self, query: &HistoryQuery) -> Result<Vec<StoredMessage>, Error> {
+    pub(super) async fn published(
+        &self,
+        query: &HistoryQuery,
+    ) -> Result<Vec<StoredMessage>, Error> {
         let limit = i32::try_from(query.limit).unwrap_or(i32::MAX);
         let result = self
             .session
@@ -179,7 +183,10 @@ mod tests {
 
     #[test]
     fn a_row_is_pending_until_committed_or_abandoned() {
-        assert_eq!(publication(&row(&[("pending", true)])), Publication::Pending);
+        assert_eq!(
+            publication(&row(&[("pending", true)])),
+            Publication::Pending
+        );
         assert_eq!(
             publication(&row(&[("pending", true), ("committed", true)])),
             Publication::Visible
@@ -189,7 +196,10 @@ mod tests {
             Publication::Abandoned
         );
         // An abandon that reached a row whose pending write never landed.
-        assert_eq!(publication(&row(&[("abandoned", true)])), Publication::Abandoned);
+        assert_eq!(
+            publication(&row(&[("abandoned", true)])),
+            Publication::Abandoned
+        );
         // Rows from before publication states existed.
         assert_eq!(publication(&row(&[])), Publication::Visible);
     }

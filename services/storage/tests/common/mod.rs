@@ -42,4 +42,3 @@ pub fn scylla_options() -> Option<ScyllaOptions> {
     options.keyspace = format!("s{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
     Some(options)
 }
-
