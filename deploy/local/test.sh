@@ -43,3 +43,8 @@ deploy/k8s/chart-test.sh
 # Prometheus scraping a local cluster under load (installs prometheus once).
 # `cargo test` has built target/debug/imdedup and imdedup-load already.
 IMDEDUP_PROOF_NO_BUILD=1 deploy/local/observability-proof.sh
+
+# Fault scenarios under load on Redis + Cassandra, audited with followers:
+# failing history writes, an ingest SIGKILLed, a rolling restart, the shard
+# map 2 -> 3 -> 2. One line each; every must-be-zero count must be 0.
+IMDEDUP_FAULTS_NO_BUILD=1 deploy/local/faults.sh

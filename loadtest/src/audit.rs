@@ -118,13 +118,19 @@ pub fn audit(sent: &[Sent], histories: &HashMap<String, Vec<HistoryMessage>>) ->
 
     // Per phone connection and conversation: the seqs of the sends that
     // stored, in the order their frames were written.
-    let mut stores: HashMap<(&str, &str), Vec<(u64, u64)>> = HashMap::new();
+    // (sender, conversation, connection) -> (frame, seq)
+    type Stores<'a> = HashMap<(&'a str, &'a str, u64), Vec<(u64, u64)>>;
+    let mut stores = Stores::new();
     for message in sent {
-        if let Some(store) = message.trace.stored_by_frame {
+        if let Some((connection, frame, seq)) = message.trace.stored_by_frame {
             stores
-                .entry((message.sender.as_str(), message.conversation.as_str()))
+                .entry((
+                    message.sender.as_str(),
+                    message.conversation.as_str(),
+                    connection,
+                ))
                 .or_default()
-                .push(store);
+                .push((frame, seq));
         }
     }
     for stored in stores.values_mut() {
@@ -276,11 +282,14 @@ mod tests {
         let mut a = sent("a", &[(101, 1)], true);
         let mut b = sent("b", &[(102, 2)], true);
         // Frame 1 (a) got seq 1, frame 2 (b) seq 2: in order.
-        a.trace.stored_by_frame = Some((1, 1));
-        b.trace.stored_by_frame = Some((2, 2));
+        a.trace.stored_by_frame = Some((1, 1, 1));
+        b.trace.stored_by_frame = Some((1, 2, 2));
+        assert!(audit(&[a.clone(), b.clone()], &histories).passed());
+        // Another connection has its own order.
+        b.trace.stored_by_frame = Some((2, 1, 2));
         assert!(audit(&[a.clone(), b.clone()], &histories).passed());
         // b was written first but stored after a.
-        b.trace.stored_by_frame = Some((0, 2));
+        b.trace.stored_by_frame = Some((1, 0, 2));
         let result = audit(&[a, b], &histories);
         assert_eq!(result.stored_out_of_send_order, 1);
         assert!(!result.passed());

@@ -7,6 +7,8 @@ use std::{collections::HashMap, time::Duration};
 
 use futures_util::StreamExt;
 use imdedup_client::{Client, HistoryMessage};
+
+use crate::link::Link;
 use tokio_util::sync::CancellationToken;
 
 /// Pulls in flight at once during a sweep.
@@ -25,7 +27,7 @@ pub type Delivered = HashMap<String, Vec<HistoryMessage>>;
 /// more and return what was delivered. Pull errors are retried on the next
 /// sweep (the cursor stays where it was).
 pub async fn follow(
-    reader: Client,
+    reader: Link,
     conversations: Vec<String>,
     stop: CancellationToken,
 ) -> Delivered {
@@ -36,7 +38,11 @@ pub async fn follow(
     loop {
         let stopping = stop.is_cancelled();
         let started = tokio::time::Instant::now();
-        sweep(&reader, &mut delivered).await;
+        // A reader the gateway dropped dials again; a sweep that cannot
+        // connect is retried after the pause, cursors unchanged.
+        if let Ok((_, client)) = reader.client().await {
+            sweep(&client, &mut delivered).await;
+        }
         if stopping {
             return delivered;
         }

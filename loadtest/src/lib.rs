@@ -11,6 +11,7 @@
 pub mod audit;
 pub mod follow;
 pub mod html;
+pub mod link;
 pub mod phone;
 pub mod report;
 pub mod run;

@@ -2,7 +2,9 @@
 
 use std::time::Duration;
 
-use imdedup_client::{AckReply, Client};
+use imdedup_client::AckReply;
+
+use crate::link::Link;
 use rand::Rng;
 use tokio::time::Instant;
 
@@ -67,9 +69,10 @@ pub struct Trace {
     pub errors: Vec<String>,
     /// When the message was due, from the start of the run.
     pub due_offset: Duration,
-    /// The try that stored the message: its frame's number on the phone's
-    /// connection, and the seq it got.
-    pub stored_by_frame: Option<(u64, u64)>,
+    /// The try that stored the message: the phone's connection (1 for the
+    /// first, more after reconnects), its frame's number on it, and the seq
+    /// it got.
+    pub stored_by_frame: Option<(u64, u64, u64)>,
 }
 
 /// A message in the outbox.
@@ -93,7 +96,7 @@ pub async fn wait_until(deadline: Instant) {
 /// each offset, the network's fate for each, and no more tries after
 /// `give_up`.
 pub async fn deliver(
-    client: &Client,
+    link: &Link,
     message: Outgoing<'_>,
     due: Instant,
     offsets: &[Duration],
@@ -108,13 +111,18 @@ pub async fn deliver(
             trace.sends_lost += 1;
             continue;
         }
-        match client
-            .send_numbered(message.id, message.conversation, message.body)
-            .await
-        {
-            Ok((frame, Ok(ack))) => {
+        // A connection the gateway closed is dialled again.
+        let sent = match link.client().await {
+            Ok((connection, client)) => client
+                .send_numbered(message.id, message.conversation, message.body)
+                .await
+                .map(|(frame, reply)| (connection, frame, reply)),
+            Err(e) => Err(e),
+        };
+        match sent {
+            Ok((connection, frame, Ok(ack))) => {
                 if ack.outcome == "stored" {
-                    trace.stored_by_frame = Some((frame, ack.seq));
+                    trace.stored_by_frame = Some((connection, frame, ack.seq));
                 }
                 trace.server_acks.push(ack.clone());
                 if fate.ack_lost {
@@ -125,7 +133,7 @@ pub async fn deliver(
                     return trace;
                 }
             }
-            Ok((_, Err(e))) => {
+            Ok((_, _, Err(e))) => {
                 let retryable = e.retryable;
                 trace.errors.push(e.code);
                 if !retryable {

@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     audit::{Audit, Sent, audit},
     follow,
+    link::Link,
     phone::{Fate, Outgoing, ResendPolicy, Trace, deliver, wait_until},
     report::Report,
 };
@@ -113,23 +114,28 @@ async fn connect_all(
     tokens: &[String],
     second: bool,
     encoding: Encoding,
-) -> anyhow::Result<Vec<(Client, Option<Client>)>> {
+) -> anyhow::Result<Vec<(Link, Option<Client>)>> {
     let mut connecting = tokio::task::JoinSet::new();
     for (u, token) in tokens.iter().enumerate() {
         let (url, token) = (url.to_owned(), token.clone());
         connecting.spawn(async move {
-            let connect = || async {
-                Client::connect(&url, &token, encoding)
-                    .await
-                    .with_context(|| format!("cannot connect phone {u} to {url}"))
+            let context = || format!("cannot connect phone {u} to {url}");
+            let first = Link::connect(&url, &token, encoding)
+                .await
+                .with_context(context)?;
+            let other = if second {
+                Some(
+                    Client::connect(&url, &token, encoding)
+                        .await
+                        .with_context(context)?,
+                )
+            } else {
+                None
             };
-            let first = connect().await?;
-            let other = if second { Some(connect().await?) } else { None };
             anyhow::Ok((u, (first, other)))
         });
     }
-    let mut phones: Vec<Option<(Client, Option<Client>)>> =
-        (0..tokens.len()).map(|_| None).collect();
+    let mut phones: Vec<Option<(Link, Option<Client>)>> = (0..tokens.len()).map(|_| None).collect();
     while let Some(done) = connecting.join_next().await {
         let (u, phone) = done??;
         phones[u] = Some(phone);
@@ -290,11 +296,15 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
             let (phones, plan, body) = (Arc::clone(&phones), Arc::clone(&plan), Arc::clone(&body));
             first_copies.spawn(async move {
                 let message = &plan[index];
-                let ack = phones[message.sender]
-                    .0
-                    .send(message.id.as_bytes(), &message.conversation, &body)
-                    .await;
-                (index, ack.ok().and_then(Result::ok))
+                let ack = match phones[message.sender].0.client().await {
+                    Ok((_, phone)) => phone
+                        .send(message.id.as_bytes(), &message.conversation, &body)
+                        .await
+                        .ok()
+                        .and_then(Result::ok),
+                    Err(_) => None,
+                };
+                (index, ack)
             });
         }
         while let Some(done) = first_copies.join_next().await {
@@ -316,7 +326,7 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
 
     let stop_following = CancellationToken::new();
     let following = if config.followers {
-        let reader = Client::connect(&url, &token(0)?, Encoding::Json).await?;
+        let reader = Link::connect(&url, &token(0)?, Encoding::Json).await?;
         let conversations: HashSet<&str> = plan.iter().map(|m| m.conversation.as_str()).collect();
         let conversations = conversations.into_iter().map(str::to_owned).collect();
         Some(tokio::spawn(follow::follow(
@@ -407,6 +417,7 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
         clock.advance(Duration::from_secs(3600));
         for (index, message) in plan.iter().enumerate().take(config.late_resends) {
             let (phone, _) = &phones[message.sender];
+            let (_, phone) = phone.client().await?;
             if let Ok(Ok(ack)) = phone
                 .send(message.id.as_bytes(), &message.conversation, &body)
                 .await

@@ -395,6 +395,11 @@ impl Client {
     }
 
     /// Wait until the gateway closes the connection; how it closed it.
+    /// Whether the connection has closed (the server closed it, or it broke).
+    pub fn is_closed(&self) -> bool {
+        self.closed.borrow().is_some()
+    }
+
     pub async fn closed(&self) -> Closed {
         let mut closed = self.closed.clone();
         match closed.wait_for(Option::is_some).await {

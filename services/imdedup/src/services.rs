@@ -241,7 +241,7 @@ where
 
 /// What the storage flags say, checked, before any I/O.
 enum StorageBackend {
-    Scylla(ScyllaOptions),
+    Scylla(Box<ScyllaOptions>),
     Sqlite(SqliteOptions),
 }
 
@@ -255,7 +255,7 @@ impl StorageArgs {
                     "storage-{}",
                     shard_name(None, std::env::var("HOSTNAME").ok())
                 );
-                StorageBackend::Scylla(scylla)
+                StorageBackend::Scylla(Box::new(scylla))
             }
             None => {
                 let mut options = SqliteOptions::new(self.data_dir.join("messages.db"));
@@ -278,7 +278,7 @@ pub async fn storage(args: StorageArgs) -> anyhow::Result<()> {
         StorageBackend::Scylla(mut scylla) => {
             tracing::info!(nodes = ?scylla.nodes, keyspace = %scylla.keyspace, "storage on ScyllaDB");
             scylla.metrics = store_metrics;
-            Arc::new(ScyllaStore::open(scylla).await?)
+            Arc::new(ScyllaStore::open(*scylla).await?)
         }
         StorageBackend::Sqlite(mut options) => {
             options.metrics = store_metrics;

@@ -295,7 +295,7 @@ fn columns(row: &StoredMessage) -> (&str, &[u8], &str, &str, i64, i64, i64) {
 fn unix_millis() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| millis(d))
+        .map_or(0, millis)
 }
 
 fn millis(d: Duration) -> i64 {

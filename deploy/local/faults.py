@@ -1,0 +1,241 @@
+"""Fault scenarios under load on Redis + Cassandra, each audited with followers.
+
+Run by deploy/local/faults.sh (which starts the services and builds the
+binaries); see that script for the overview. Python 3.11 standard library only.
+
+Every scenario starts its own cluster on loopback, one process per service
+(storage, ingest shards writing to Cassandra themselves, a gateway), in a
+keyspace and Redis key prefix of its own, drives `imdedup-load steady` through
+the gateway with followers, injects its fault while the load runs, and prints
+one line: messages, lost, repeats, missed by followers, reordered (delivered
+out of seq order + stored out of send order), seq order violations, and the
+phones' failed sends (a failure is not a loss: the phone shows it and resends
+later). The exit status is 1 when any of the must-be-zero counts is not 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from localprocs import HarnessError, Processes, free_port, http_get, wait_for
+
+TOKEN_SECRET = "fault-scenarios-secret-0123456789"
+T0 = time.monotonic()
+
+
+def log(msg: str) -> None:
+    print(f"faults: [{time.monotonic() - T0:5.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+class Cluster:
+    """storage + ingest shards + gateway, restartable one by one."""
+
+    def __init__(self, args, procs: Processes, keyspace: str, shards: int, env: dict):
+        self.args, self.procs, self.keyspace, self.env = args, procs, keyspace, env
+        self.ports: dict[str, tuple[int, int]] = {}
+        self.running: dict[str, subprocess.Popen] = {}
+        self.generation: dict[str, int] = {}
+        self.names = [f"ingest-{i}" for i in range(shards)]
+        self.notes: list[str] = []
+
+    def port(self, name: str) -> tuple[int, int]:
+        if name not in self.ports:
+            self.ports[name] = (free_port(), free_port())
+        return self.ports[name]
+
+    def shard_map(self, names: list[str]) -> str:
+        return ",".join(f"{n}=http://127.0.0.1:{self.port(n)[0]}" for n in names)
+
+    def scylla(self) -> list[str]:
+        return ["--scylla", self.args.scylla, "--scylla-keyspace", self.keyspace,
+                "--scylla-replication-factor", "1", "--scylla-migrate", "false",
+                "--scylla-pending-fence", "12s"]
+
+    def argv(self, name: str, names: list[str]) -> list[str]:
+        grpc, admin = self.port(name)
+        common = [f"--listen=127.0.0.1:{grpc}", f"--admin-listen=127.0.0.1:{admin}", "--grace=3s"]
+        storage = f"http://127.0.0.1:{self.port('storage')[0]}"
+        if name == "storage":
+            return [self.args.imdedup, "storage", *common, *self.scylla()]
+        if name == "gateway":
+            return [self.args.imdedup, "gateway", *common, "--shards", self.shard_map(names),
+                    "--storage", storage]
+        return [self.args.imdedup, "ingest", *common, "--shard-name", name,
+                "--shards", self.shard_map(names), "--storage", storage,
+                "--redis", self.args.redis, "--redis-key-prefix", f"{self.keyspace}:",
+                *self.scylla()]
+
+    def start(self, name: str, names: list[str], env: dict | None = None) -> None:
+        generation = self.generation.get(name, 0) + 1
+        self.generation[name] = generation
+        proc = self.procs.start(f"{self.keyspace}-{name}-{generation}", self.argv(name, names),
+                                {"IMDEDUP_TOKEN_SECRET": TOKEN_SECRET, **self.env, **(env or {})})
+        self.running[name] = proc
+        admin = self.port(name)[1]
+        wait_for(f"{name} /readyz", lambda: http_get(f"http://127.0.0.1:{admin}/readyz")[0] == 200,
+                 60, self.procs)
+
+    def stop(self, name: str, sig: int = signal.SIGTERM) -> None:
+        proc = self.running.pop(name)
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        with self.procs.lock:
+            self.procs.children = [(n, p) for n, p in self.procs.children if p is not proc]
+
+    def restart(self, name: str, names: list[str], sig: int = signal.SIGTERM, down: float = 0.0) -> None:
+        self.stop(name, sig)
+        time.sleep(down)
+        self.start(name, names)
+        self.notes.append(f"{'killed' if sig == signal.SIGKILL else 'restarted'} {name}")
+
+    def up(self, ingest_env: dict | None = None) -> None:
+        subprocess.run([self.args.imdedup, "migrate", "--scylla", self.args.scylla,
+                        "--scylla-keyspace", self.keyspace, "--scylla-replication-factor", "1"],
+                       check=True, stdout=subprocess.DEVNULL)
+        self.start("storage", self.names)
+        for name in self.names:
+            self.start(name, self.names, ingest_env)
+        self.start("gateway", self.names)
+
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port('gateway')[0]}/v1/ws"
+
+
+def load(args, cluster: Cluster, out: Path, fault) -> dict:
+    """Run the load; `fault` runs in a thread once the load is under way."""
+    argv = [args.load, "steady", "--url", cluster.url(), "--rate", str(args.rate),
+            "--duration", f"{args.duration}s", "--users", "60", "--loss-send", "0.01",
+            "--loss-ack", "0.01", "--time-scale", "0.5", "--quiet", "--json", str(out)]
+    log_file = out.with_suffix(".log")
+    driver = subprocess.Popen(argv, stdout=open(log_file, "wb"), stderr=subprocess.STDOUT,
+                              env={"IMDEDUP_TOKEN_SECRET": TOKEN_SECRET, "PATH": "/usr/bin:/bin"})
+    failure: list[BaseException] = []
+
+    def body():
+        try:
+            fault()
+        except BaseException as e:  # reported after the load ends
+            failure.append(e)
+
+    thread = threading.Thread(target=body, daemon=True)
+    time.sleep(2)
+    thread.start()
+    try:
+        driver.wait(timeout=args.duration + 240)
+    except subprocess.TimeoutExpired:
+        driver.kill()
+        raise HarnessError(f"the load driver did not finish; log: {log_file}")
+    thread.join(timeout=120)
+    if failure:
+        raise HarnessError(f"the fault step failed: {failure[0]}")
+    if not out.exists():
+        raise HarnessError(f"the load driver wrote no report (exit {driver.returncode}); "
+                           f"log: {log_file}\n{log_file.read_text(errors='replace')[-2000:]}")
+    return json.loads(out.read_text())
+
+
+def scenarios(cluster: Cluster, duration: float):
+    """name -> (ingest env, fault); the fault sees the running cluster."""
+    two, three = cluster.names[:2], cluster.names[:2] + ["ingest-2"]
+
+    def at(seconds: float):
+        time.sleep(seconds)
+
+    def sigkill():
+        at(duration * 0.3)
+        cluster.restart("ingest-1", two, signal.SIGKILL, down=1.0)
+
+    def rolling():
+        at(duration * 0.2)
+        for name in ["storage", *two, "gateway"]:
+            cluster.restart(name, two)
+            at(1.0)
+
+    def reshard():
+        at(duration * 0.15)
+        # 2 -> 3, in the order a Helm upgrade rolls it: the new shard starts,
+        # the gateways and the old shards roll onto the new map.
+        cluster.start("ingest-2", three)
+        for name in ["gateway", "ingest-1", "ingest-0"]:
+            cluster.restart(name, three)
+        cluster.notes.append("shards 2 -> 3")
+        at(duration * 0.2)
+        # 3 -> 2: the gateway routes by the old map again, the third shard
+        # leaves (its conversations free at once), the others roll back.
+        cluster.restart("gateway", two)
+        cluster.stop("ingest-2")
+        for name in ["ingest-1", "ingest-0"]:
+            cluster.restart(name, two)
+        cluster.notes.append("shards 3 -> 2")
+
+    return {
+        "history-write-failing": ({"IMDEDUP_FAULT_COMMIT_FAILURES": "0.05"}, lambda: None),
+        "ingest-sigkill": ({}, sigkill),
+        "rolling-restart": ({}, rolling),
+        "shards-2-3-2": ({}, reshard),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--imdedup", required=True)
+    parser.add_argument("--load", required=True)
+    parser.add_argument("--redis", required=True)
+    parser.add_argument("--scylla", required=True)
+    parser.add_argument("--rate", type=float, default=200)
+    parser.add_argument("--duration", type=float, default=20)
+    parser.add_argument("--only", action="append", help="run only this scenario (repeatable)")
+    args = parser.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="imdedup-faults-"))
+    procs = Processes(tmp)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    print(f"{'scenario':<24} {'messages':>8} {'lost':>5} {'repeats':>7} {'missed':>6} "
+          f"{'reordered':>9} {'seq-viol':>8} {'failed':>6}  what happened")
+    ok = True
+    try:
+        names = scenarios(Cluster(args, procs, "x", 2, {}), args.duration).keys()
+        for name in names:
+            if args.only and name not in args.only:
+                continue
+            keyspace = f"f{uuid.uuid4().hex[:10]}"
+            cluster = Cluster(args, procs, keyspace, 2, {"RUST_LOG": "info"})
+            ingest_env, fault = scenarios(cluster, args.duration)[name]
+            log(f"{name}: starting a cluster in keyspace {keyspace}")
+            cluster.up(ingest_env)
+            report = load(args, cluster, tmp / f"{name}.json", fault)
+            a = report["audit"]
+            reordered = a["delivered_out_of_order"] + a["stored_out_of_send_order"]
+            bad = (a["lost"] + a["repeats"] + a["missed_by_followers"] + reordered
+                   + a["seq_order_violations"] + a["ack_mismatches"])
+            ok &= bad == 0 and a["delivered_to_followers"] > 0
+            what = ", ".join(cluster.notes) or "5% of publishing writes fail"
+            print(f"{name:<24} {a['messages']:>8} {a['lost']:>5} {a['repeats']:>7} "
+                  f"{a['missed_by_followers']:>6} {reordered:>9} {a['seq_order_violations']:>8} "
+                  f"{a['failed']:>6}  {what}{'' if bad == 0 else '  FAIL'}", flush=True)
+            procs.stop_all()
+            procs = Processes(tmp)
+    except HarnessError as e:
+        print(f"faults: ERROR: {e}", file=sys.stderr)
+        ok = False
+    finally:
+        procs.stop_all()
+    log(f"logs in {tmp}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

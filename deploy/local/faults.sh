@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Fault scenarios under load on real Redis + Cassandra, each audited with
+# followers (readers that follow every conversation with a cursor, as
+# receiving phones do). Part of the test suite (deploy/local/test.sh).
+#
+# Four scenarios, each on a cluster of its own (storage, two ingest shards
+# writing to Cassandra themselves, a gateway; separate processes on
+# loopback), with `imdedup-load steady` driving the gateway:
+#   history-write-failing  5% of the writes that publish a stored message fail
+#                          (the ingest's hidden fault knob), so rows stay
+#                          pending until the phone's resend settles them
+#   ingest-sigkill         ingest-1 is SIGKILLed mid-run and restarted
+#   rolling-restart        storage, each ingest and the gateway restarted in turn
+#   shards-2-3-2           the shard map goes 2 -> 3 -> 2 while sending
+# One line per scenario: messages, lost, repeats, missed by followers,
+# reordered, seq order violations, failed on the phone. Exits 1 unless every
+# must-be-zero count is 0. About 3 minutes.
+#
+#   deploy/local/faults.sh [--rate 200] [--duration 20] [--only NAME]
+#
+# Uses the services of deploy/local/services.sh (started if not running) and
+# builds target/debug/imdedup and imdedup-load unless IMDEDUP_FAULTS_NO_BUILD=1.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+
+if [ "${IMDEDUP_FAULTS_NO_BUILD:-}" != 1 ]; then
+  cargo build --locked -q -p imdedup -p imdedup-loadtest
+fi
+target_dir=$(cargo metadata --format-version 1 --no-deps 2>/dev/null \
+  | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])' 2>/dev/null || echo target)
+
+if [ -z "${IMDEDUP_TEST_REDIS_URL:-}" ] || [ -z "${IMDEDUP_TEST_SCYLLA:-}" ]; then
+  eval "$(deploy/local/services.sh up --redis --cassandra)"
+fi
+
+exec python3 deploy/local/faults.py \
+  --imdedup "$target_dir/debug/imdedup" \
+  --load "$target_dir/debug/imdedup-load" \
+  --redis "$IMDEDUP_TEST_REDIS_URL" \
+  --scylla "$IMDEDUP_TEST_SCYLLA" \
+  "$@"

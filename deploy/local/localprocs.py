@@ -1,0 +1,108 @@
+"""Processes of a local cluster on loopback, for the harness scripts in
+deploy/local/ (the observability proof, the fault scenarios). Python 3.11
+standard library only."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+class HarnessError(Exception):
+    """A harness step failed; the message says which and why."""
+
+
+class Processes:
+    """Every child a harness starts, stopped in reverse order whatever happens."""
+
+    def __init__(self, logdir: Path):
+        self.logdir = logdir
+        self.children: list[tuple[str, subprocess.Popen]] = []
+        self.lock = threading.Lock()  # a fault thread restarts a service
+        self.stopping = False
+
+    def start(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+        with self.lock:
+            if self.stopping:
+                raise HarnessError(f"not starting {name}: shutting down")
+            return self._start(name, argv, env)
+
+    def _start(self, name: str, argv: list[str], env: dict | None) -> subprocess.Popen:
+        out = open(self.logdir / f"{name}.log", "wb")
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **(env or {})}, start_new_session=True)
+        out.close()
+        self.children.append((name, proc))
+        return proc
+
+    def check_alive(self) -> None:
+        for name, proc in self.children:
+            if proc.poll() is not None:
+                raise HarnessError(f"{name} exited with status {proc.returncode}; "
+                                 f"log: {self.logdir / (name + '.log')}\n{self.tail(name)}")
+
+    def tail(self, name: str, lines: int = 15) -> str:
+        try:
+            text = (self.logdir / f"{name}.log").read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join("    " + l for l in text[-lines:])
+
+    def stop_all(self) -> None:
+        with self.lock:
+            self.stopping = True
+        for name, proc in reversed(self.children):
+            if proc.poll() is None:
+                try:
+                    os.kill(proc.pid, signal.SIGCONT)  # a paused process cannot act on SIGTERM
+                    proc.terminate()
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 5
+        for name, proc in reversed(self.children):
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def wait_for(what: str, check, timeout: float, procs: Processes) -> None:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        procs.check_alive()
+        try:
+            if check():
+                return
+        except (OSError, ValueError) as e:
+            last = e
+        time.sleep(0.1)
+    raise HarnessError(f"timed out after {timeout:.0f} s waiting for {what}" + (f" ({last})" if last else ""))
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
