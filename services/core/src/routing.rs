@@ -113,6 +113,17 @@ impl ShardMap {
         self.shards.iter().map(|shard| shard.name.as_str())
     }
 
+    /// The map's version: a fingerprint of its set of names, which is all
+    /// routing depends on (not their order, not their URLs). Two processes
+    /// with the same version route every conversation alike. Logged at
+    /// start and named in refusals, so a rollout's mixed maps show.
+    pub fn version(&self) -> String {
+        let mut names: Vec<&str> = self.names().collect();
+        names.sort_unstable();
+        let parts: Vec<&[u8]> = names.iter().map(|n| n.as_bytes()).collect();
+        format!("{:08x}", stable_hash(&parts) >> 32)
+    }
+
     /// The shard named `name`, if it is in the map.
     pub fn position(&self, name: &str) -> Option<usize> {
         self.shards.iter().position(|shard| shard.name == name)
@@ -169,9 +180,11 @@ impl Ownership {
         if self.map.owner(conversation) == self.me {
             Ok(())
         } else {
-            Err(Error::unavailable(
-                "this ingest shard does not own the conversation (the shard set is changing); retry",
-            ))
+            Err(Error::unavailable(format!(
+                "this ingest shard does not own the conversation under its shard map {} \
+                 (the shard set is changing); retry",
+                self.map.version()
+            )))
         }
     }
 }
@@ -194,6 +207,21 @@ mod tests {
         for count in counts {
             assert!((800..1200).contains(&count), "uneven spread: {counts:?}");
         }
+    }
+
+    #[test]
+    fn the_version_names_the_set_of_shard_names() {
+        let map = |entries: &[&str]| ShardMap::parse(entries).unwrap().version();
+        let two = map(&["ingest-0=http://a:1", "ingest-1=http://b:1"]);
+        assert_eq!(two, map(&["ingest-1=http://x:2", "ingest-0=http://y:2"]));
+        assert_ne!(
+            two,
+            map(&[
+                "ingest-0=http://a:1",
+                "ingest-1=http://b:1",
+                "ingest-2=http://c:1"
+            ])
+        );
     }
 
     #[test]

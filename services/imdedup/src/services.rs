@@ -397,6 +397,10 @@ pub async fn ingest(args: IngestArgs) -> anyhow::Result<()> {
         ),
     };
     let owns_all = ownership.is_none();
+    // Empty when the shard owns every conversation (no --shards).
+    let shard_map = ShardMap::parse(&args.shards)
+        .map(|map| map.version())
+        .unwrap_or_default();
     let mut dedup =
         Dedup::new(window, Arc::clone(&store), args.storage_timeout).with_metrics(metrics);
     if let Some(ownership) = ownership {
@@ -405,7 +409,7 @@ pub async fn ingest(args: IngestArgs) -> anyhow::Result<()> {
     let dedup = Arc::new(dedup);
     let draining = Arc::clone(&store);
     let listener = bind(args.listen).await?;
-    tracing::info!(listen = %args.listen, storage = %args.storage, window_ttl = ?args.window_ttl, %shard, owns_all, "ingest serving");
+    tracing::info!(listen = %args.listen, storage = %args.storage, window_ttl = ?args.window_ttl, %shard, owns_all, %shard_map, "ingest serving");
     let max_body = args.max_body_bytes;
     serve_with_admin(
         "ingest",
@@ -450,7 +454,8 @@ pub async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
     let gateway = Arc::new(Gateway::new(args.config()?)?.with_metrics(metrics));
     let listener = bind(args.listen).await?;
     let shards: Vec<_> = gateway.shards.map().names().collect();
-    tracing::info!(listen = %args.listen, ?shards, "gateway serving at ws://{}/v1/ws", args.listen);
+    let shard_map = gateway.shards.map().version();
+    tracing::info!(listen = %args.listen, ?shards, %shard_map, "gateway serving at ws://{}/v1/ws", args.listen);
     serve_with_admin(
         "gateway",
         args.grace,
