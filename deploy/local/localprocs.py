@@ -75,9 +75,18 @@ class Processes:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on, below the kernel's ephemeral range
+    (32768 and up), which outgoing connections could take before the service
+    binds it."""
+    import random
+    while True:
+        port = random.randint(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:

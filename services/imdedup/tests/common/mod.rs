@@ -10,12 +10,20 @@ use std::{
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_imdedup");
 
-/// A loopback address nothing listens on right now.
+/// A loopback address nothing listens on right now, below the kernel's
+/// ephemeral range (32768 and up): a port from that range can be taken by
+/// any outgoing connection between this check and the service's bind.
 pub fn free_addr() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
+    use std::sync::atomic::{AtomicU16, Ordering};
+    // Spread over processes (test binaries run side by side) by the pid.
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let base = 20_000 + (std::process::id() % 100) as u16 * 120;
+    loop {
+        let port = base + NEXT.fetch_add(1, Ordering::Relaxed) % 120;
+        if let Ok(listener) = TcpListener::bind(("127.0.0.1", port)) {
+            return listener.local_addr().unwrap();
+        }
+    }
 }
 
 /// Wait until something accepts connections on `addr`.
