@@ -18,6 +18,8 @@ use imdedup_core::{
     window::{Claim, RecentWindow},
 };
 
+use crate::in_flight::InFlight;
+
 /// Counts of what the ingest decided, since start.
 #[derive(Debug, Default)]
 pub struct DedupStats {
@@ -25,6 +27,9 @@ pub struct DedupStats {
     pub duplicate_window: AtomicU64,
     pub duplicate_unique_key: AtomicU64,
     pub in_flight_conflicts: AtomicU64,
+    /// Sends that waited for the insert of their key already running here
+    /// instead of starting another.
+    pub joined_in_flight: AtomicU64,
     pub window_bypassed: AtomicU64,
     pub failed: AtomicU64,
 }
@@ -36,6 +41,7 @@ pub struct DedupCounts {
     pub duplicate_window: u64,
     pub duplicate_unique_key: u64,
     pub in_flight_conflicts: u64,
+    pub joined_in_flight: u64,
     pub window_bypassed: u64,
     pub failed: u64,
 }
@@ -48,6 +54,7 @@ impl DedupStats {
             duplicate_window: get(&self.duplicate_window),
             duplicate_unique_key: get(&self.duplicate_unique_key),
             in_flight_conflicts: get(&self.in_flight_conflicts),
+            joined_in_flight: get(&self.joined_in_flight),
             window_bypassed: get(&self.window_bypassed),
             failed: get(&self.failed),
         }
@@ -69,6 +76,8 @@ pub struct Dedup {
     dedup_off: bool,
     /// The conversations this shard may answer for; `None` answers all.
     ownership: Option<Ownership>,
+    /// Inserts running, one per key.
+    in_flight: Arc<InFlight>,
 }
 
 impl Dedup {
@@ -85,6 +94,7 @@ impl Dedup {
             metrics: IngestMetrics::default(),
             dedup_off: false,
             ownership: None,
+            in_flight: Arc::default(),
         }
     }
 
@@ -241,17 +251,34 @@ impl Dedup {
         }
     }
 
+    /// The store's insert, or the outcome of the same key's insert already
+    /// running here (answered as a repeat: this copy stored nothing).
     async fn insert(&self, message: NewMessage) -> Result<Insert, Error> {
         let started = Instant::now();
-        let result =
-            match tokio::time::timeout(self.storage_timeout, self.store.insert_once(message)).await
-            {
-                Ok(result) => result,
-                Err(_) => Err(Error::new(
-                    ErrorKind::DeadlineExceeded,
-                    format!("storage did not answer within {:?}", self.storage_timeout),
-                )),
-            };
+        let timeout = self.storage_timeout;
+        let deadline = move || {
+            Error::new(
+                ErrorKind::DeadlineExceeded,
+                format!("storage did not answer within {timeout:?}"),
+            )
+        };
+        let store = Arc::clone(&self.store);
+        let key = message.key.clone();
+        let (led, outcome) = self.in_flight.join(&key, async move {
+            tokio::time::timeout(timeout, store.insert_once(message))
+                .await
+                .unwrap_or_else(|_| Err(deadline()))
+        });
+        let result = tokio::time::timeout(timeout, outcome)
+            .await
+            .unwrap_or_else(|_| Err(deadline()));
+        if !led {
+            bump(&self.stats.joined_in_flight);
+            return result.map(|insert| match insert {
+                Insert::Stored(row) => Insert::AlreadyStored(row),
+                repeat => repeat,
+            });
+        }
         self.metrics
             .storage_call("insert", started.elapsed(), result.is_ok());
         result
@@ -503,6 +530,87 @@ mod tests {
             sum_samples(&text, "imdedup_window_claims_total", &[("result", "error")]),
             Some(1.0)
         );
+    }
+
+    /// A store that counts inserts and takes its time over each.
+    #[derive(Default)]
+    struct SlowStore {
+        inner: FlakyStore,
+        inserts: std::sync::atomic::AtomicU32,
+    }
+
+    #[async_trait]
+    impl MessageStore for SlowStore {
+        async fn insert_once(&self, m: NewMessage) -> Result<Insert, Error> {
+            self.inserts.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            self.inner.insert_once(m).await
+        }
+        async fn lookup(&self, k: &MessageKey) -> Result<Option<StoredMessage>, Error> {
+            self.inner.lookup(k).await
+        }
+        async fn history(&self, q: &HistoryQuery) -> Result<Vec<StoredMessage>, Error> {
+            self.inner.history(q).await
+        }
+    }
+
+    #[tokio::test]
+    async fn copies_of_a_key_in_flight_wait_for_its_insert_instead_of_starting_another() {
+        let store = Arc::new(SlowStore::default());
+        // The window is down: nothing else stops the copies.
+        let dedup = Arc::new(Dedup::new(
+            Arc::new(DownWindow),
+            store.clone(),
+            Duration::from_secs(1),
+        ));
+        let copies: Vec<_> = (0..8)
+            .map(|_| {
+                let dedup = Arc::clone(&dedup);
+                tokio::spawn(async move { dedup.send(message("m1")).await.unwrap() })
+            })
+            .collect();
+        let mut acks = Vec::new();
+        for copy in copies {
+            acks.push(copy.await.unwrap());
+        }
+        assert_eq!(
+            store.inserts.load(Ordering::SeqCst),
+            1,
+            "one LWT for 8 copies"
+        );
+        assert!(acks.iter().all(|a| a.receipt == acks[0].receipt));
+        let stored = acks.iter().filter(|a| a.outcome == Outcome::Stored).count();
+        assert_eq!(stored, 1);
+        assert_eq!(dedup.stats().snapshot().joined_in_flight, 7);
+        assert!(
+            dedup.in_flight.is_empty(),
+            "finished inserts leave the table"
+        );
+
+        // Once it is done, a resend is a new insert (the unique key answers).
+        let again = dedup.send(message("m1")).await.unwrap();
+        assert_eq!(again.outcome, Outcome::DuplicateUniqueKey);
+        assert_eq!(store.inserts.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn a_copy_with_other_content_joining_an_insert_is_told_the_id_is_reused() {
+        let store = Arc::new(SlowStore::default());
+        let dedup = Arc::new(Dedup::new(
+            Arc::new(DownWindow),
+            store.clone(),
+            Duration::from_secs(1),
+        ));
+        let first = {
+            let dedup = Arc::clone(&dedup);
+            tokio::spawn(async move { dedup.send(message("m1")).await })
+        };
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let mut other = message("m1");
+        other.body = Body::parse("something else", 100).unwrap();
+        let err = dedup.send(other).await.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::IdReused);
+        assert_eq!(first.await.unwrap().unwrap().outcome, Outcome::Stored);
     }
 
     #[tokio::test]

@@ -6,6 +6,7 @@ pub mod breaker;
 pub mod connecting_window;
 pub mod dedup;
 pub mod grpc;
+pub mod in_flight;
 pub mod redis_window;
 pub mod window;
 
