@@ -331,6 +331,7 @@ impl LocalCluster {
                 duplicate_unique_key: a.duplicate_unique_key + b.duplicate_unique_key,
                 in_flight_conflicts: a.in_flight_conflicts + b.in_flight_conflicts,
                 joined_in_flight: a.joined_in_flight + b.joined_in_flight,
+                shed_after_deadline: a.shed_after_deadline + b.shed_after_deadline,
                 window_bypassed: a.window_bypassed + b.window_bypassed,
                 failed: a.failed + b.failed,
             })

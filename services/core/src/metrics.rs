@@ -341,12 +341,19 @@ pub struct IngestMetrics {
     decision_duration: Histogram,
     storage_operations: Durations<OperationLabels>,
     storage_errors: Family<OperationLabels, Counter>,
+    shed: Family<ReasonLabels, Counter>,
     pub window: WindowMetrics,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
 }
 
 impl Default for IngestMetrics {
     fn default() -> Self {
         Self {
+            shed: Family::default(),
             shard_info: Gauge::default(),
             in_flight: Gauge::default(),
             sends: Family::default(),
@@ -405,6 +412,12 @@ impl IngestMetrics {
             "The ingest's failed calls to the store by operation",
             m.storage_errors.clone(),
         );
+        registry.register(
+            "imdedup_ingest_shed",
+            "Sends dropped before their database operation, by reason (deadline: nobody waits for the answer any more)",
+            m.shed.clone(),
+        );
+        drop(m.shed.get_or_create(&ReasonLabels { reason: "deadline" }));
         for outcome in OUTCOMES {
             drop(m.sends.get_or_create(&OutcomeLabels { outcome }));
         }
@@ -452,6 +465,11 @@ impl IngestMetrics {
                 })
                 .inc();
         }
+    }
+
+    /// A send dropped before its database operation.
+    pub fn shed(&self, reason: &'static str) {
+        self.shed.get_or_create(&ReasonLabels { reason }).inc();
     }
 
     /// One call to the store: `operation` is insert or lookup.

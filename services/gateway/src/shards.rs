@@ -77,6 +77,8 @@ impl Shards {
             body: message.body.into_string(),
             trace_context: telemetry::trace_context(),
             tag: 0,
+            // The deadline travels with the send, through the batch.
+            budget_ms: u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX),
         };
         let response = tokio::time::timeout(timeout, self.batchers[index].call(request))
             .await

@@ -30,6 +30,8 @@ pub struct DedupStats {
     /// Sends that waited for the insert of their key already running here
     /// instead of starting another.
     pub joined_in_flight: AtomicU64,
+    /// Sends dropped before their insert: their caller's deadline passed.
+    pub shed_after_deadline: AtomicU64,
     pub window_bypassed: AtomicU64,
     pub failed: AtomicU64,
 }
@@ -42,6 +44,7 @@ pub struct DedupCounts {
     pub duplicate_unique_key: u64,
     pub in_flight_conflicts: u64,
     pub joined_in_flight: u64,
+    pub shed_after_deadline: u64,
     pub window_bypassed: u64,
     pub failed: u64,
 }
@@ -55,6 +58,7 @@ impl DedupStats {
             duplicate_unique_key: get(&self.duplicate_unique_key),
             in_flight_conflicts: get(&self.in_flight_conflicts),
             joined_in_flight: get(&self.joined_in_flight),
+            shed_after_deadline: get(&self.shed_after_deadline),
             window_bypassed: get(&self.window_bypassed),
             failed: get(&self.failed),
         }
@@ -130,6 +134,13 @@ impl Dedup {
 
     /// Store `message` once, or recognise it as a repeat; either way, return
     /// the ACK with the message's original server id and seq.
+    pub async fn send(&self, message: NewMessage) -> Result<Ack, Error> {
+        self.send_within(message, None).await
+    }
+
+    /// [`Dedup::send`] for a caller that waits until `deadline` at most: a
+    /// send still undecided then is dropped before its insert (nothing is
+    /// stored, the resend is), so no database work is done for nobody.
     #[tracing::instrument(
         name = "imdedup.dedup",
         skip_all,
@@ -138,10 +149,14 @@ impl Dedup {
             error.type = tracing::field::Empty,
         )
     )]
-    pub async fn send(&self, message: NewMessage) -> Result<Ack, Error> {
+    pub async fn send_within(
+        &self,
+        message: NewMessage,
+        deadline: Option<Instant>,
+    ) -> Result<Ack, Error> {
         let _in_flight = self.metrics.decision_started();
         let started = Instant::now();
-        let result = self.decide(message).await;
+        let result = self.decide(message, deadline).await;
         let span = tracing::Span::current();
         match &result {
             Ok(ack) => span.record("imdedup.outcome", ack.outcome.as_str()),
@@ -154,7 +169,7 @@ impl Dedup {
         result
     }
 
-    async fn decide(&self, message: NewMessage) -> Result<Ack, Error> {
+    async fn decide(&self, message: NewMessage, deadline: Option<Instant>) -> Result<Ack, Error> {
         if let Some(ownership) = &self.ownership {
             ownership.check(&message.conversation)?;
         }
@@ -212,7 +227,23 @@ impl Dedup {
             None => None,
         };
 
-        let inserted = self.insert(message.clone()).await;
+        let budget = match deadline {
+            None => Some(self.storage_timeout),
+            Some(deadline) => deadline
+                .checked_duration_since(Instant::now())
+                .map(|left| left.min(self.storage_timeout)),
+        };
+        let inserted = match budget {
+            Some(budget) => self.insert(message.clone(), budget).await,
+            None => {
+                bump(&self.stats.shed_after_deadline);
+                self.metrics.shed("deadline");
+                Err(Error::new(
+                    ErrorKind::DeadlineExceeded,
+                    "the send's deadline passed before its insert; nothing stored",
+                ))
+            }
+        };
         match (&inserted, &token) {
             (Ok(insert), Some(token)) => {
                 let stored = insert.message();
@@ -253,9 +284,8 @@ impl Dedup {
 
     /// The store's insert, or the outcome of the same key's insert already
     /// running here (answered as a repeat: this copy stored nothing).
-    async fn insert(&self, message: NewMessage) -> Result<Insert, Error> {
+    async fn insert(&self, message: NewMessage, timeout: Duration) -> Result<Insert, Error> {
         let started = Instant::now();
-        let timeout = self.storage_timeout;
         let deadline = move || {
             Error::new(
                 ErrorKind::DeadlineExceeded,
@@ -591,6 +621,30 @@ mod tests {
         let again = dedup.send(message("m1")).await.unwrap();
         assert_eq!(again.outcome, Outcome::DuplicateUniqueKey);
         assert_eq!(store.inserts.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn a_send_whose_caller_gave_up_costs_no_insert_and_its_resend_is_stored() {
+        let store = Arc::new(SlowStore::default());
+        let dedup = Dedup::new(
+            Arc::new(MemoryWindow::new(MemoryWindowOptions::default())),
+            store.clone(),
+            Duration::from_secs(1),
+        );
+        let gone = Instant::now();
+        let err = dedup
+            .send_within(message("m1"), Some(gone))
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::DeadlineExceeded);
+        assert!(err.retryable());
+        assert_eq!(store.inserts.load(Ordering::SeqCst), 0, "no database work");
+        assert_eq!(dedup.stats().snapshot().shed_after_deadline, 1);
+        // The claim was released: the resend is stored, not "seen".
+        let later = Instant::now() + Duration::from_secs(5);
+        let ack = dedup.send_within(message("m1"), Some(later)).await.unwrap();
+        assert_eq!(ack.outcome, Outcome::Stored);
+        assert_eq!(store.inserts.load(Ordering::SeqCst), 1);
     }
 
     #[tokio::test]

@@ -1,6 +1,10 @@
 //! The gRPC face of the ingest: `imdedup.v1.IngestService`.
 
-use std::{pin::Pin, sync::Arc};
+use std::{
+    pin::Pin,
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use futures_util::{Stream, StreamExt, stream::FuturesUnordered};
 use imdedup_core::{Error, convert, telemetry};
@@ -46,10 +50,13 @@ async fn decide(
     req: pb::SendRequest,
     max_body_bytes: usize,
 ) -> Result<pb::Ack, Error> {
+    // The caller's deadline, from when the send arrived here.
+    let deadline = (req.budget_ms > 0)
+        .then(|| Instant::now() + Duration::from_millis(u64::from(req.budget_ms)));
     let message = convert::send_request(req, max_body_bytes).inspect_err(|e| {
         dedup.metrics().refused(e.kind());
     })?;
-    Ok(dedup.send(message).await?.into())
+    Ok(dedup.send_within(message, deadline).await?.into())
 }
 
 /// Decide one send of a batch or stream, continuing the trace its gateway
