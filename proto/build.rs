@@ -10,6 +10,7 @@ const PROTOS: &[&str] = &[
     "imdedup/v1/ingest.proto",
     "imdedup/v1/storage.proto",
     "imdedup/v1/gateway.proto",
+    "imdedup/v1/membership.proto",
 ];
 
 fn main() -> io::Result<()> {

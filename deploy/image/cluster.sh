@@ -204,10 +204,11 @@ load_status=0
 # 1% of sends and of ACKs lost and 1% of messages sent twice at once over
 # two connections, so every dedup path runs; the book's resend schedule (0,
 # 1, 3, 7, 15 s, give up at 31 s), which rides out the latency spikes of a
-# shared 2-core machine. The driver stops by itself; timeout is a backstop.
+# shared 2-core machine. Direct conversations only: this gateway has no
+# groups file. The driver stops by itself; timeout is a backstop.
 timeout --kill-after=10 $((secs + 120)) "$LOAD" steady \
   --url "ws://$WS/v1/ws" --rate "$RATE" --duration "$DURATION" --users "$USERS" \
-  --loss-send 0.01 --loss-ack 0.01 --concurrent-copies 0.01 \
+  --loss-send 0.01 --loss-ack 0.01 --concurrent-copies 0.01 --group-share 0 \
   --json "$OUT/report.json" --quiet | tee "$OUT/report.txt" || load_status=$?
 
 log "server-side counters:"

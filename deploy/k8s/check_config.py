@@ -159,9 +159,10 @@ def build_env(container, pod, doc, configmaps, secrets, problems):
     return env
 
 
-def relocate_mounts(env, container, pod_spec, scratch):
+def relocate_mounts(env, container, pod_spec, scratch, configmaps):
     """Move env values that point into mounted volumes into the scratch dir,
-    creating the files a Secret or ConfigMap volume would hold."""
+    creating the files a Secret or ConfigMap volume would hold: a ConfigMap
+    of the render with its real keys, anything else with a placeholder."""
     volumes = {v["name"]: v for v in pod_spec.get("volumes") or []}
     for tmpl in pod_spec.get("_claims", []):
         volumes.setdefault(tmpl, {"name": tmpl, "persistentVolumeClaim": {}})
@@ -170,6 +171,11 @@ def relocate_mounts(env, container, pod_spec, scratch):
         target = os.path.join(scratch, mount["mountPath"].lstrip("/"))
         os.makedirs(target, exist_ok=True)
         volume = volumes.get(mount["name"], {})
+        rendered = configmaps.get((volume.get("configMap") or {}).get("name"))
+        if rendered is not None and not volume["configMap"].get("items"):
+            for key, content in rendered.items():
+                with open(os.path.join(target, key), "w") as f:
+                    f.write(content)
         for kind in ("secret", "configMap"):
             if kind in volume:
                 for item in volume[kind].get("items") or []:
@@ -224,7 +230,7 @@ def check_render(binary, path, results):
                     unknown = sorted(n for n in env if n.startswith("IMDEDUP_") and n not in known)
                     if unknown:
                         problems.append(f"`imdedup {subcommand}` does not know {', '.join(unknown)}")
-                    env = relocate_mounts(env, container, pod_spec, scratch)
+                    env = relocate_mounts(env, container, pod_spec, scratch, configmaps)
                     run = subprocess.run([binary, "--check-config", *args], env=env, cwd=scratch,
                                          capture_output=True, text=True, timeout=60)
                     if run.returncode != 0:

@@ -46,6 +46,9 @@ class Cluster:
         self.generation: dict[str, int] = {}
         self.names = [f"ingest-{i}" for i in range(shards)]
         self.notes: list[str] = []
+        # The gateway's groups file; the load driver adds its run's groups.
+        self.groups = Path(tempfile.gettempdir()) / f"imdedup-faults-{keyspace}-groups.json"
+        self.groups.write_text("{}")
 
     def port(self, name: str) -> tuple[int, int]:
         if name not in self.ports:
@@ -68,7 +71,7 @@ class Cluster:
             return [self.args.imdedup, "storage", *common, *self.scylla()]
         if name == "gateway":
             return [self.args.imdedup, "gateway", *common, "--shards", self.shard_map(names),
-                    "--storage", storage]
+                    "--storage", storage, "--groups-file", str(self.groups)]
         return [self.args.imdedup, "ingest", *common, "--shard-name", name,
                 "--shards", self.shard_map(names), "--storage", storage,
                 "--redis", self.args.redis, "--redis-key-prefix", f"{self.keyspace}:",
@@ -116,7 +119,8 @@ class Cluster:
 
 def load(args, cluster: Cluster, out: Path, fault) -> dict:
     """Run the load; `fault` runs in a thread once the load is under way."""
-    argv = [args.load, "steady", "--url", cluster.url(), "--rate", str(args.rate),
+    argv = [args.load, "steady", "--url", cluster.url(), "--groups-file", str(cluster.groups),
+            "--rate", str(args.rate),
             "--duration", f"{args.duration}s", "--users", "60", "--loss-send", "0.01",
             "--loss-ack", "0.01", "--time-scale", "0.5", "--quiet", "--json", str(out)]
     log_file = out.with_suffix(".log")

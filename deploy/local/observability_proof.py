@@ -412,6 +412,9 @@ def run(args, tmp: Path, procs: Processes, rules: Path, rules_in_file, targets, 
               "gateway", "gateway-admin", "redis", "prometheus")}
     addr = lambda name: f"127.0.0.1:{ports[name]}"
     data = tmp / "storage-data"
+    # The gateway's groups file; the load driver adds its run's groups.
+    groups_file = tmp / "groups.json"
+    groups_file.write_text("{}")
     data.mkdir()
     quiet = {"RUST_LOG": "warn"}
     redis = procs.start("redis", [args.redis_server, "--bind", "127.0.0.1", "--port", str(ports["redis"]),
@@ -430,7 +433,7 @@ def run(args, tmp: Path, procs: Processes, rules: Path, rules_in_file, targets, 
                             "--admin-listen", addr("gateway-admin"),
                             "--shards", ",".join(f"http://{addr(s)}" for s in SHARDS),
                             "--storage", f"http://{addr('storage')}", "--send-timeout", "10s",
-                            "--grace", "1s"],
+                            "--groups-file", str(groups_file), "--grace", "1s"],
                 {**quiet, "IMDEDUP_TOKEN_SECRET": TOKEN_SECRET})
     admin = {"storage": "storage-admin", "ingest-0": "ingest-0-admin", "ingest-1": "ingest-1-admin",
              "gateway": "gateway-admin"}
@@ -468,6 +471,7 @@ def run(args, tmp: Path, procs: Processes, rules: Path, rules_in_file, targets, 
     # 3. Load with duplicates, and three faults.
     report_path = tmp / "report.json"
     load_argv = [args.load, "steady", "--url", f"ws://{addr('gateway')}/v1/ws",
+                 "--groups-file", str(groups_file),
                  "--token-secret", TOKEN_SECRET, "--rate", str(args.rate),
                  "--duration", f"{args.duration}s", "--loss-send", "0.05", "--loss-ack", "0.1",
                  "--time-scale", "0.05", "--concurrent-copies", "0.02", "--users", "20",

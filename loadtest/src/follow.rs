@@ -7,9 +7,12 @@ use std::{collections::HashMap, time::Duration};
 
 use futures_util::StreamExt;
 use imdedup_client::{Client, HistoryMessage};
+use tokio_util::sync::CancellationToken;
 
 use crate::link::Link;
-use tokio_util::sync::CancellationToken;
+
+/// The run's phones: each one's reconnecting link (and second connection).
+pub type Phones = std::sync::Arc<Vec<(Link, Option<Client>)>>;
 
 /// Pulls in flight at once during a sweep.
 const PULLS_IN_FLIGHT: usize = 32;
@@ -23,26 +26,23 @@ const PAGE: u32 = 1000;
 /// What followers received, per conversation, in the order received.
 pub type Delivered = HashMap<String, Vec<HistoryMessage>>;
 
-/// Follow `conversations` through `reader` until `stop`, then sweep once
-/// more and return what was delivered. Pull errors are retried on the next
-/// sweep (the cursor stays where it was).
+/// Follow each conversation through its reader's phone until `stop`, then
+/// sweep once more and return what was delivered. Pull errors are retried
+/// on the next sweep (the cursor stays where it was).
 pub async fn follow(
-    reader: Link,
-    conversations: Vec<String>,
+    phones: Phones,
+    readers: Vec<(String, usize)>,
     stop: CancellationToken,
 ) -> Delivered {
-    let mut delivered: Delivered = conversations
+    let mut delivered: Delivered = readers
         .iter()
-        .map(|c| (c.clone(), Vec::new()))
+        .map(|(c, _)| (c.clone(), Vec::new()))
         .collect();
+    let readers: HashMap<String, usize> = readers.into_iter().collect();
     loop {
         let stopping = stop.is_cancelled();
         let started = tokio::time::Instant::now();
-        // A reader the gateway dropped dials again; a sweep that cannot
-        // connect is retried after the pause, cursors unchanged.
-        if let Ok((_, client)) = reader.client().await {
-            sweep(&client, &mut delivered).await;
-        }
+        sweep(&phones, &readers, &mut delivered).await;
         if stopping {
             return delivered;
         }
@@ -53,8 +53,10 @@ pub async fn follow(
     }
 }
 
-/// Pull every conversation from its cursor to its end.
-async fn sweep(reader: &Client, delivered: &mut Delivered) {
+/// Pull every conversation from its cursor to its end. A phone the gateway
+/// dropped dials again; one that cannot connect is retried on the next
+/// sweep, cursors unchanged.
+async fn sweep(phones: &Phones, readers: &HashMap<String, usize>, delivered: &mut Delivered) {
     let cursors: Vec<(String, u64)> = delivered
         .iter()
         .map(|(c, rows)| (c.clone(), rows.last().map_or(0, |r| r.seq)))
@@ -62,8 +64,14 @@ async fn sweep(reader: &Client, delivered: &mut Delivered) {
     let mut pulls = futures_util::stream::iter(cursors)
         .map(|(conversation, mut cursor)| async move {
             let mut new = Vec::new();
+            let Some(&reader) = readers.get(&conversation) else {
+                return (conversation, new);
+            };
+            let Ok((_, client)) = phones[reader].0.client().await else {
+                return (conversation, new);
+            };
             loop {
-                match reader.history(&conversation, cursor, PAGE).await {
+                match client.history(&conversation, cursor, PAGE).await {
                     Ok(Ok(page)) if !page.messages.is_empty() => {
                         cursor = page.messages.last().map_or(cursor, |m| m.seq);
                         new.extend(page.messages);

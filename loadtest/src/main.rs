@@ -66,6 +66,10 @@ struct Common {
     /// The gateway's token secret, to mint the phones' tokens.
     #[arg(long, env = "IMDEDUP_TOKEN_SECRET", hide_env_values = true)]
     token_secret: Option<String>,
+    /// With --url: the gateway's groups file (its --groups-file), where the
+    /// run's group conversations and members are added.
+    #[arg(long, env = "IMDEDUP_GROUPS_FILE", requires = "url")]
+    groups_file: Option<PathBuf>,
     /// Messages to send [default: book 10000; steady rate x duration].
     #[arg(long)]
     messages: Option<u64>,
@@ -223,6 +227,7 @@ fn load_config(name: &str, args: &Common, rate: Option<f64>) -> anyhow::Result<L
             token_secret: args.token_secret.clone().ok_or_else(|| {
                 anyhow::anyhow!("--url needs --token-secret (or IMDEDUP_TOKEN_SECRET)")
             })?,
+            groups_file: args.groups_file.clone(),
         },
         (None, true) => Target::Embedded {
             shards: args.shards,

@@ -4,6 +4,7 @@
 
 use std::{
     collections::{HashMap, HashSet},
+    path::{Path, PathBuf},
     sync::{
         Arc, Mutex,
         atomic::{AtomicU64, Ordering},
@@ -20,6 +21,7 @@ use imdedup_core::{
     model::Sender,
     token::TokenKey,
 };
+use imdedup_gateway::authz::{Authorizer, DirectConversations, GroupsFile, groups::Groups};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -40,8 +42,13 @@ const AUDIT_PULLS_IN_FLIGHT: usize = 64;
 pub enum Target {
     /// A local cluster on the embedded backends, started in this process.
     Embedded { shards: usize },
-    /// A running gateway, and the secret to mint its users' tokens with.
-    Gateway { url: String, token_secret: String },
+    /// A running gateway, the secret to mint its users' tokens with, and the
+    /// groups file it reads (`--groups-file`), where the run's groups go.
+    Gateway {
+        url: String,
+        token_secret: String,
+        groups_file: Option<PathBuf>,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -101,6 +108,8 @@ struct Progress {
 
 struct Planned {
     sender: usize,
+    /// The other member of a direct conversation.
+    other: Option<usize>,
     id: String,
     conversation: String,
     offsets: Vec<Duration>,
@@ -144,6 +153,41 @@ async fn connect_all(
         .into_iter()
         .map(|p| p.ok_or_else(|| anyhow::anyhow!("a phone did not connect")))
         .collect()
+}
+
+/// Every conversation of the plan and the phone that reads it: a member
+/// (the first of a direct conversation's two, phone 0 for groups, which
+/// every phone of the run belongs to).
+fn readers(plan: &[Planned]) -> Vec<(String, usize)> {
+    let mut readers: HashMap<&str, usize> = HashMap::new();
+    for m in plan {
+        let reader = m.other.map_or(0, |other| m.sender.min(other));
+        readers.entry(&m.conversation).or_insert(reader);
+    }
+    readers
+        .into_iter()
+        .map(|(c, reader)| (c.to_owned(), reader))
+        .collect()
+}
+
+/// Add `groups` to the JSON groups file at `path` (keeping the groups
+/// already there), then give the gateway time to read it again.
+async fn add_groups(path: &Path, groups: Groups) -> anyhow::Result<()> {
+    let mut all: Groups = match std::fs::read(path) {
+        Ok(bytes) if !bytes.is_empty() => serde_json::from_slice(&bytes)
+            .with_context(|| format!("{} is not a groups file", path.display()))?,
+        Ok(_) => Groups::new(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Groups::new(),
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+    };
+    all.extend(groups);
+    let fresh = path.with_extension("json.new");
+    std::fs::write(&fresh, serde_json::to_vec(&all)?)
+        .with_context(|| format!("cannot write {}", fresh.display()))?;
+    std::fs::rename(&fresh, path).with_context(|| format!("cannot replace {}", path.display()))?;
+    // The gateway looks for a change once a second.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    Ok(())
 }
 
 /// When message `n` is due: a linear ramp up to `rate` over `ramp`, then
@@ -190,25 +234,50 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
     check(&config)?;
     let clock = ManualClock::new();
     let dir = tempfile::tempdir()?;
+    let run_tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+    let user_name = |u: usize| format!("u{run_tag}-{u}");
+    let group_name = |g: usize| format!("g{run_tag}-{g}");
+    // Every phone of the run is a member of every group of the run; direct
+    // conversations need no declaration.
+    let groups: Groups = if config.group_share > 0.0 {
+        let members: HashSet<String> = (0..config.users).map(user_name).collect();
+        (0..config.groups.max(1))
+            .map(|g| (group_name(g), members.clone()))
+            .collect()
+    } else {
+        Groups::new()
+    };
     let (cluster, url, token_key, now) = match &config.target {
         Target::Embedded { shards } => {
             let mut options = ClusterOptions::new(dir.path(), Arc::new(clock.clone()));
             options.shards = *shards;
             options.dedup_off = config.dedup_off;
+            options.authz = Authorizer::members(GroupsFile::fixed(groups)?);
             let cluster = LocalCluster::start(options).await?;
             let url = cluster.gateway_url();
             let key = TokenKey::new(imdedup_cluster::DEV_TOKEN_SECRET)?;
             (Some(cluster), url, key, clock.unix_seconds())
         }
-        Target::Gateway { url, token_secret } => (
-            None,
-            url.clone(),
-            TokenKey::new(token_secret.clone())?,
-            SystemClock.unix_seconds(),
-        ),
+        Target::Gateway {
+            url,
+            token_secret,
+            groups_file,
+        } => {
+            if !groups.is_empty() {
+                let path = groups_file.as_ref().context(
+                    "group conversations need members the gateway knows: give --groups-file \
+                     (the file the gateway reads) or --group-share 0",
+                )?;
+                add_groups(path, groups).await?;
+            }
+            (
+                None,
+                url.clone(),
+                TokenKey::new(token_secret.clone())?,
+                SystemClock.unix_seconds(),
+            )
+        }
     };
-    let run_tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
-    let user_name = |u: usize| format!("u{run_tag}-{u}");
     let token = |u: usize| -> anyhow::Result<String> {
         Ok(token_key.mint(&Sender::parse(user_name(u))?, now + 86_400))
     };
@@ -223,15 +292,18 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
     let plan: Vec<Planned> = (0..config.messages)
         .map(|_| {
             let sender = rng.random_range(0..config.users);
-            let conversation = if rng.random_bool(config.group_share) {
-                format!("g{run_tag}-{}", rng.random_range(0..config.groups.max(1)))
+            let (conversation, other) = if rng.random_bool(config.group_share) {
+                (group_name(rng.random_range(0..config.groups.max(1))), None)
             } else {
                 let mut other = rng.random_range(0..config.users - 1);
                 if other >= sender {
                     other += 1;
                 }
-                let (a, b) = (sender.min(other), sender.max(other));
-                format!("d{run_tag}-{a}-{b}")
+                let name = DirectConversations::name(
+                    &Sender::parse(user_name(sender)).expect("a valid name"),
+                    &Sender::parse(user_name(other)).expect("a valid name"),
+                );
+                (name, Some(other))
             };
             let offsets = config.policy.offsets(&mut rng);
             let fates = offsets
@@ -244,6 +316,7 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
             let bytes: [u8; 16] = rng.random();
             Planned {
                 sender,
+                other,
                 id: uuid::Builder::from_random_bytes(bytes)
                     .into_uuid()
                     .to_string(),
@@ -326,12 +399,9 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
 
     let stop_following = CancellationToken::new();
     let following = if config.followers {
-        let reader = Link::connect(&url, &token(0)?, Encoding::Json).await?;
-        let conversations: HashSet<&str> = plan.iter().map(|m| m.conversation.as_str()).collect();
-        let conversations = conversations.into_iter().map(str::to_owned).collect();
         Some(tokio::spawn(follow::follow(
-            reader,
-            conversations,
+            Arc::clone(&phones),
+            readers(&plan),
             stop_following.clone(),
         )))
     } else {
@@ -436,12 +506,17 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
     };
 
     // The receivers' view: every conversation's stored history.
-    let reader = Client::connect(&url, &token(0)?, Encoding::Json).await?;
-    let conversations: HashSet<&str> = plan.iter().map(|m| m.conversation.as_str()).collect();
-    let mut pulls = futures_util::stream::iter(conversations)
-        .map(|conversation| {
-            let reader = &reader;
-            async move { (conversation, reader.full_history(conversation).await) }
+    // Each conversation is read by one of its members, on that phone's link.
+    let mut pulls = futures_util::stream::iter(readers(&plan))
+        .map(|(conversation, reader)| {
+            let phones = &phones;
+            async move {
+                let pulled = match phones[reader].0.client().await {
+                    Ok((_, client)) => client.full_history(&conversation).await,
+                    Err(e) => Err(e),
+                };
+                (conversation, pulled)
+            }
         })
         .buffer_unordered(AUDIT_PULLS_IN_FLIGHT);
     let mut histories = HashMap::new();
@@ -450,7 +525,7 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
             Ok(rows) => rows,
             Err(e) => bail!("history of {conversation}: {} ({})", e.code, e.message),
         };
-        histories.insert(conversation.to_owned(), rows);
+        histories.insert(conversation, rows);
     }
     drop(pulls);
     let sent: Vec<Sent> = plan
@@ -469,7 +544,6 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
     }
     let report = Report::new(&config, &sent, sending, late_caught, result.clone());
     drop(phones);
-    drop(reader);
     if let Some(cluster) = cluster {
         cluster.shutdown().await;
     }

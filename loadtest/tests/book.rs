@@ -144,11 +144,17 @@ async fn nonsense_settings_are_refused() {
     config.target = Target::Gateway {
         url: "ws://127.0.0.1:9/v1/ws".into(),
         token_secret: "0123456789abcdef".into(),
+        groups_file: None,
     };
     let err = run(config.clone()).await.err().unwrap().to_string();
     assert!(err.contains("--late-resends needs --embedded"), "{err}");
     config.late_resends = 0;
     config.dedup_off = true;
-    let err = run(config).await.err().unwrap().to_string();
+    let err = run(config.clone()).await.err().unwrap().to_string();
     assert!(err.contains("--no-dedup"), "{err}");
+    // Groups need members the gateway knows.
+    config.dedup_off = false;
+    config.group_share = 0.5;
+    let err = run(config).await.err().unwrap().to_string();
+    assert!(err.contains("--groups-file"), "{err}");
 }

@@ -516,6 +516,7 @@ fn code_name(code: i32) -> String {
     match pb::ErrorCode::try_from(code).unwrap_or(pb::ErrorCode::Unspecified) {
         pb::ErrorCode::InvalidArgument => "invalid_argument",
         pb::ErrorCode::Unauthenticated => "unauthenticated",
+        pb::ErrorCode::PermissionDenied => "permission_denied",
         pb::ErrorCode::Unavailable => "unavailable",
         pb::ErrorCode::DeadlineExceeded => "deadline_exceeded",
         pb::ErrorCode::Overloaded => "overloaded",

@@ -20,7 +20,7 @@ use imdedup_core::{
     store::MessageStore,
     token::TokenKey,
 };
-use imdedup_gateway::{Gateway, GatewayConfig};
+use imdedup_gateway::{Gateway, GatewayConfig, authz::Authorizer};
 use imdedup_ingest::{
     Dedup, DedupCounts, MemoryWindow, MemoryWindowOptions, RedisWindow, RedisWindowOptions,
 };
@@ -63,6 +63,9 @@ pub struct ClusterOptions {
     /// Store every copy that arrives, to show what dedup prevents. Only this
     /// local cluster offers it; the standalone ingest refuses it.
     pub dedup_off: bool,
+    /// Who may send to and read each conversation (default: direct
+    /// conversations only).
+    pub authz: Authorizer,
 }
 
 impl ClusterOptions {
@@ -79,6 +82,7 @@ impl ClusterOptions {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             gateway_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             dedup_off: false,
+            authz: Authorizer::direct_only(),
         }
     }
 }
@@ -251,6 +255,7 @@ impl LocalCluster {
                 )?,
                 storage: storage_url,
                 token_key: token_key.clone(),
+                authz: options.authz.clone(),
                 send_timeout: options.send_timeout,
                 max_body_bytes: options.max_body_bytes,
                 max_connections: 10_000,

@@ -7,12 +7,14 @@ use imdedup_client::{Client, ClientError, Encoding, ErrorReply, RawMessage, Repl
 use imdedup_cluster::{ClusterOptions, LocalCluster};
 use imdedup_core::clock::ManualClock;
 
+mod common;
+
 async fn start() -> (LocalCluster, ManualClock, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::new();
-    let cluster = LocalCluster::start(ClusterOptions::new(dir.path(), Arc::new(clock.clone())))
-        .await
-        .unwrap();
+    let mut options = ClusterOptions::new(dir.path(), Arc::new(clock.clone()));
+    options.authz = common::test_groups();
+    let cluster = LocalCluster::start(options).await.unwrap();
     (cluster, clock, dir)
 }
 

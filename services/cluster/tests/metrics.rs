@@ -47,11 +47,23 @@ async fn get(addr: SocketAddr, path: &str) -> HttpReply {
 async fn every_service_exposes_what_the_sends_did(kind: Kind) {
     let Some(h) = start(kind).await else { return };
     let ana = h.connect("ana", Encoding::Json).await;
-    let first = ana.send(b"m-1", "ana-ben", "hello").await.unwrap().unwrap();
-    let again = ana.send(b"m-1", "ana-ben", "hello").await.unwrap().unwrap();
+    let first = ana
+        .send(b"m-1", "dm:ana:ben", "hello")
+        .await
+        .unwrap()
+        .unwrap();
+    let again = ana
+        .send(b"m-1", "dm:ana:ben", "hello")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(again.outcome, "duplicate_window");
     assert_eq!((again.server_id, again.seq), (first.server_id, first.seq));
-    let bad = ana.send(b"m-2", "ana-ben", "").await.unwrap().unwrap_err();
+    let bad = ana
+        .send(b"m-2", "dm:ana:ben", "")
+        .await
+        .unwrap()
+        .unwrap_err();
     assert_eq!(bad.code, "invalid_argument");
 
     let admins = h.cluster.admin_addrs();

@@ -16,13 +16,13 @@ async fn a_resend_after_a_lost_ack_gets_the_same_ack_and_stores_one_row(kind: Ki
     let ana = h.connect("ana", Encoding::Json).await;
 
     let first = ana
-        .send(b"m-7", "ana-ben", "I'm downstairs")
+        .send(b"m-7", "dm:ana:ben", "I'm downstairs")
         .await
         .unwrap()
         .unwrap();
     // The ACK is "lost": the phone resends the same ID.
     let again = ana
-        .send(b"m-7", "ana-ben", "I'm downstairs")
+        .send(b"m-7", "dm:ana:ben", "I'm downstairs")
         .await
         .unwrap()
         .unwrap();
@@ -31,7 +31,7 @@ async fn a_resend_after_a_lost_ack_gets_the_same_ack_and_stores_one_row(kind: Ki
     assert!(again.duplicate);
     assert_eq!(again.outcome, "duplicate_window");
     assert_eq!((again.server_id, again.seq), (first.server_id, first.seq));
-    let stored = rows(&ana, "ana-ben").await;
+    let stored = rows(&ana, "dm:ana:ben").await;
     assert_eq!(stored.len(), 1);
     assert_eq!(stored[0].body, "I'm downstairs");
     h.cluster.shutdown().await;
@@ -41,7 +41,7 @@ async fn a_resend_after_the_window_is_caught_by_the_unique_key(kind: Kind) {
     let Some(h) = start(kind).await else { return };
     let ana = h.connect("ana", Encoding::Json).await;
     let first = ana
-        .send(b"m-3", "ana-ben", "see you")
+        .send(b"m-3", "dm:ana:ben", "see you")
         .await
         .unwrap()
         .unwrap();
@@ -49,17 +49,17 @@ async fn a_resend_after_the_window_is_caught_by_the_unique_key(kind: Kind) {
     // The app was killed and resends an hour later: the window forgot.
     h.expire_window().await;
     let late = ana
-        .send(b"m-3", "ana-ben", "see you")
+        .send(b"m-3", "dm:ana:ben", "see you")
         .await
         .unwrap()
         .unwrap();
 
     assert_eq!(late.outcome, "duplicate_unique_key");
     assert_eq!((late.server_id, late.seq), (first.server_id, first.seq));
-    assert_eq!(rows(&ana, "ana-ben").await.len(), 1);
+    assert_eq!(rows(&ana, "dm:ana:ben").await.len(), 1);
     // The late resend refilled the window: the next copy is a window hit.
     let next = ana
-        .send(b"m-3", "ana-ben", "see you")
+        .send(b"m-3", "dm:ana:ben", "see you")
         .await
         .unwrap()
         .unwrap();
@@ -73,7 +73,7 @@ async fn an_id_reused_for_another_message_is_a_final_error_not_a_silent_ack(kind
         let ana = h.connect("ana", encoding).await;
         let id = format!("reused-{encoding:?}");
         let first = ana
-            .send(id.as_bytes(), "ana-ben", "lunch at one?")
+            .send(id.as_bytes(), "dm:ana:ben", "lunch at one?")
             .await
             .unwrap()
             .unwrap();
@@ -87,15 +87,19 @@ async fn an_id_reused_for_another_message_is_a_final_error_not_a_silent_ack(kind
         // Another body, then another conversation: both refused, through the
         // window and, once it forgot, through the unique key.
         for round in 0..2 {
-            check_refused(ana.send(id.as_bytes(), "ana-ben", "dinner?").await.unwrap());
             check_refused(
-                ana.send(id.as_bytes(), "ana-carl", "lunch at one?")
+                ana.send(id.as_bytes(), "dm:ana:ben", "dinner?")
+                    .await
+                    .unwrap(),
+            );
+            check_refused(
+                ana.send(id.as_bytes(), "dm:ana:carl", "lunch at one?")
                     .await
                     .unwrap(),
             );
             // A true resend still gets the original ACK.
             let again = ana
-                .send(id.as_bytes(), "ana-ben", "lunch at one?")
+                .send(id.as_bytes(), "dm:ana:ben", "lunch at one?")
                 .await
                 .unwrap()
                 .unwrap();
@@ -104,14 +108,14 @@ async fn an_id_reused_for_another_message_is_a_final_error_not_a_silent_ack(kind
                 h.expire_window().await;
             }
         }
-        let bodies: Vec<String> = rows(&ana, "ana-ben")
+        let bodies: Vec<String> = rows(&ana, "dm:ana:ben")
             .await
             .into_iter()
             .filter(|m| m.id == id.as_bytes())
             .map(|m| m.body)
             .collect();
         assert_eq!(bodies, ["lunch at one?"]);
-        assert!(rows(&ana, "ana-carl").await.is_empty());
+        assert!(rows(&ana, "dm:ana:carl").await.is_empty());
     }
     h.cluster.shutdown().await;
 }

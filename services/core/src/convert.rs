@@ -170,6 +170,7 @@ impl From<ErrorKind> for pb::ErrorCode {
         match kind {
             ErrorKind::InvalidArgument => Self::InvalidArgument,
             ErrorKind::Unauthenticated => Self::Unauthenticated,
+            ErrorKind::PermissionDenied => Self::PermissionDenied,
             ErrorKind::Unavailable => Self::Unavailable,
             ErrorKind::MaybeStored => Self::MaybeStored,
             ErrorKind::DeadlineExceeded => Self::DeadlineExceeded,
@@ -184,6 +185,7 @@ pub fn error_kind(code: pb::ErrorCode) -> ErrorKind {
     match code {
         pb::ErrorCode::InvalidArgument => ErrorKind::InvalidArgument,
         pb::ErrorCode::Unauthenticated => ErrorKind::Unauthenticated,
+        pb::ErrorCode::PermissionDenied => ErrorKind::PermissionDenied,
         pb::ErrorCode::Unavailable => ErrorKind::Unavailable,
         pb::ErrorCode::DeadlineExceeded => ErrorKind::DeadlineExceeded,
         pb::ErrorCode::Overloaded => ErrorKind::Overloaded,

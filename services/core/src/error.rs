@@ -1,8 +1,9 @@
 //! The error kinds of imdedup, mapped once to gRPC status codes and to the
 //! `retryable` flag that phones see.
 //!
-//! Three kinds are final for the phone: a malformed request, a bad token,
-//! and a client message ID reused for another message. The others ask for a
+//! Four kinds are final for the phone: a malformed request, a bad token, a
+//! conversation the sender does not belong to, and a client message ID
+//! reused for another message. The others ask for a
 //! resend with the same ID, which is always safe because a resend is
 //! recognised; they say whether the send is surely not stored
 //! (`Unavailable`, `Overloaded`) or may be (`MaybeStored`,
@@ -21,6 +22,9 @@ pub enum ErrorKind {
     InvalidArgument,
     /// The token is missing, forged or expired. Final for this token.
     Unauthenticated,
+    /// The sender may not send to or read the conversation (or it does not
+    /// exist; the answer does not say which). Final.
+    PermissionDenied,
     /// A backend (ingest, storage) cannot be reached, or refused before
     /// storing anything: surely not stored. Retry.
     Unavailable,
@@ -41,9 +45,10 @@ pub enum ErrorKind {
 
 impl ErrorKind {
     /// Every kind, for tables and metrics.
-    pub const ALL: [Self; 8] = [
+    pub const ALL: [Self; 9] = [
         Self::InvalidArgument,
         Self::Unauthenticated,
+        Self::PermissionDenied,
         Self::Unavailable,
         Self::MaybeStored,
         Self::DeadlineExceeded,
@@ -56,7 +61,7 @@ impl ErrorKind {
     pub fn retryable(self) -> bool {
         !matches!(
             self,
-            Self::InvalidArgument | Self::Unauthenticated | Self::IdReused
+            Self::InvalidArgument | Self::Unauthenticated | Self::PermissionDenied | Self::IdReused
         )
     }
 
@@ -65,6 +70,7 @@ impl ErrorKind {
         match self {
             Self::InvalidArgument => "invalid_argument",
             Self::Unauthenticated => "unauthenticated",
+            Self::PermissionDenied => "permission_denied",
             Self::Unavailable => "unavailable",
             Self::MaybeStored => "maybe_stored",
             Self::DeadlineExceeded => "deadline_exceeded",
@@ -79,6 +85,7 @@ impl ErrorKind {
         match self {
             Self::InvalidArgument => Code::InvalidArgument,
             Self::Unauthenticated => Code::Unauthenticated,
+            Self::PermissionDenied => Code::PermissionDenied,
             Self::Unavailable => Code::Unavailable,
             Self::MaybeStored => Code::Unknown,
             Self::DeadlineExceeded => Code::DeadlineExceeded,
@@ -94,7 +101,8 @@ impl ErrorKind {
             Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => {
                 Self::InvalidArgument
             }
-            Code::Unauthenticated | Code::PermissionDenied => Self::Unauthenticated,
+            Code::Unauthenticated => Self::Unauthenticated,
+            Code::PermissionDenied => Self::PermissionDenied,
             // Refused or unreachable before the call was taken: not stored.
             Code::Unavailable => Self::Unavailable,
             // A call cut midway (a connection that broke shows up as
@@ -170,6 +178,10 @@ impl Error {
         Self::new(ErrorKind::Unauthenticated, message)
     }
 
+    pub fn permission_denied(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::PermissionDenied, message)
+    }
+
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Unavailable, message)
     }
@@ -211,7 +223,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_bad_requests_and_bad_tokens_are_final() {
+    fn only_bad_requests_tokens_conversations_and_reused_ids_are_final() {
         let final_kinds: Vec<_> = ErrorKind::ALL
             .into_iter()
             .filter(|k| !k.retryable())
@@ -221,6 +233,7 @@ mod tests {
             [
                 ErrorKind::InvalidArgument,
                 ErrorKind::Unauthenticated,
+                ErrorKind::PermissionDenied,
                 ErrorKind::IdReused
             ]
         );

@@ -168,7 +168,7 @@ pub async fn run(
                     let _ = out.send(reply).await;
                 }
                 Inbound::History(cmd) => {
-                    let reply = history(&gateway, cmd).await;
+                    let reply = history(&gateway, &sender, cmd).await;
                     let _ = out.send(message(frames::encode(encoding, reply))).await;
                 }
             }
@@ -275,7 +275,16 @@ async fn send(gateway: &Gateway, sender: Sender, cmd: SendCmd) -> Outbound {
         cmd.body,
         gateway.config.max_body_bytes,
     );
-    let result = match validated {
+    let authorized = match validated {
+        Ok(message) => gateway
+            .config
+            .authz
+            .check(&sender, &message.conversation)
+            .await
+            .map(|()| message),
+        Err(e) => Err(e),
+    };
+    let result = match authorized {
         Ok(message) => {
             let (shard, result) = gateway
                 .shards
@@ -334,6 +343,7 @@ fn for_phone(error: Error) -> Error {
         ErrorKind::Unavailable
         | ErrorKind::InvalidArgument
         | ErrorKind::Unauthenticated
+        | ErrorKind::PermissionDenied
         | ErrorKind::IdReused => (
             ErrorKind::Unavailable,
             "the service is unavailable; not stored: resend with the same id",
@@ -342,12 +352,20 @@ fn for_phone(error: Error) -> Error {
     Error::new(kind, message)
 }
 
-async fn history(gateway: &Gateway, cmd: HistoryCmd) -> Outbound {
+async fn history(gateway: &Gateway, sender: &Sender, cmd: HistoryCmd) -> Outbound {
     let to = ReplyTo::history(&cmd);
     let query = ConversationId::parse(cmd.conversation.clone())
         .and_then(|conversation| HistoryQuery::new(conversation, cmd.after_seq, cmd.limit));
     let result = match query {
-        Ok(query) => gateway.history(&query).await.map_err(for_phone),
+        Ok(query) => match gateway
+            .config
+            .authz
+            .check(sender, &query.conversation)
+            .await
+        {
+            Ok(()) => gateway.history(&query).await.map_err(for_phone),
+            Err(e) => Err(e),
+        },
         Err(e) => Err(e),
     };
     match result {

@@ -2,6 +2,7 @@
 //! goes to the ingest shard that owns its conversation, and the ACK (or a
 //! clear error) comes back on the same connection.
 
+pub mod authz;
 pub mod connection;
 pub mod frames;
 pub mod shards;
@@ -43,6 +44,8 @@ pub struct GatewayConfig {
     /// Storage service URL, for history pulls.
     pub storage: String,
     pub token_key: TokenKey,
+    /// Who may send to and read each conversation.
+    pub authz: authz::Authorizer,
     /// Deadline of one send through ingest and storage.
     pub send_timeout: Duration,
     pub max_body_bytes: usize,

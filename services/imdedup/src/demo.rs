@@ -18,6 +18,7 @@ use imdedup_core::{
     clock::ManualClock,
     model::{ClientMsgId, MessageKey, Sender},
 };
+use imdedup_gateway::authz::{Authorizer, GroupsFile};
 use imdedup_ingest::RedisWindow;
 
 use crate::backends::LocalBackendArgs;
@@ -215,16 +216,20 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         Backends::Embedded => None,
     };
     let real = redis.is_some();
-    let cluster = LocalCluster::start(options).await?;
-    // A database that outlives the run gets a conversation of this run's own.
+    // A database that outlives the run gets a conversation of this run's
+    // own: a group of Ana and Ben. Otherwise, their direct conversation.
     let conversation = if real {
-        format!(
+        let group = format!(
             "ana-ben-{}",
             &uuid::Uuid::new_v4().simple().to_string()[..8]
-        )
+        );
+        let members = ["ana", "ben"].map(str::to_owned).into();
+        options.authz = Authorizer::members(GroupsFile::fixed([(group.clone(), members)].into())?);
+        group
     } else {
-        "ana-ben".to_owned()
+        "dm:ana:ben".to_owned()
     };
+    let cluster = LocalCluster::start(options).await?;
     let backends = if real {
         "Redis window, ScyllaDB/CQL store"
     } else {

@@ -1,13 +1,20 @@
 //! A local cluster for your own client: prints the WebSocket URL, the gRPC
 //! endpoints and dev tokens, and runs until Ctrl-C.
 
-use std::{net::SocketAddr, path::PathBuf, sync::Arc};
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    sync::Arc,
+};
+
+use anyhow::Context;
 
 use clap::Args;
 use imdedup_cluster::{Backends, ClusterOptions, DEV_TOKEN_SECRET, LocalCluster};
 use imdedup_core::clock::SystemClock;
 
-use crate::backends::LocalBackendArgs;
+use crate::{authz::AuthzMode, backends::LocalBackendArgs};
+use imdedup_gateway::authz::{Authorizer, GroupsFile};
 
 #[derive(Debug, Args)]
 pub struct DevArgs {
@@ -21,8 +28,15 @@ pub struct DevArgs {
     #[arg(long, default_value_t = 2)]
     shards: usize,
     /// Users to print tokens for, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "ana,ben")]
+    #[arg(long, value_delimiter = ',', default_value = "ana,ben,carl")]
     users: Vec<String>,
+    /// Group conversations and their members (JSON); default: a groups.json
+    /// in the data directory, written with one group of --users if missing.
+    #[arg(long)]
+    groups_file: Option<PathBuf>,
+    /// `open` lets any user send to and read any conversation (loudly).
+    #[arg(long, value_enum, default_value = "members")]
+    authz: AuthzMode,
     #[command(flatten)]
     backends: LocalBackendArgs,
 }
@@ -32,14 +46,33 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     options.gateway_addr = args.listen;
     options.shards = args.shards;
     args.backends.apply(&mut options)?;
+    let groups_file = args
+        .groups_file
+        .clone()
+        .unwrap_or_else(|| args.data_dir.join("groups.json"));
+    options.authz = match args.authz {
+        AuthzMode::Open => Authorizer::Open,
+        AuthzMode::Members => {
+            write_default_groups(&groups_file, &args.users)?;
+            Authorizer::members(GroupsFile::open(&groups_file)?)
+        }
+    };
     let backends = match &options.backends {
         Backends::Real { redis, scylla } => {
             format!("Redis {:?}, ScyllaDB {:?}", redis.urls, scylla.nodes)
         }
         Backends::Embedded => format!("embedded backends, data in {}", args.data_dir.display()),
     };
+    crate::authz::warn_if_open(&options.authz);
     let cluster = LocalCluster::start(options).await?;
     println!("imdedup dev cluster ({backends})");
+    if args.authz == AuthzMode::Members {
+        println!(
+            "  authorization on: direct conversations dm:<a>:<b> (names sorted), groups in {} (read again when it changes):",
+            groups_file.display()
+        );
+        println!("    {}", std::fs::read_to_string(&groups_file)?.trim());
+    }
     if args.backends.no_dedup {
         println!("  DEDUP IS OFF (--no-dedup): every copy that arrives is stored");
     }
@@ -57,9 +90,24 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         "Try: websocat '{}?token=<token>' and send",
         cluster.gateway_url()
     );
-    println!(r#"  {{"type":"send","id":"m1","conversation":"ana-ben","body":"hello"}}"#);
+    println!(r#"  {{"type":"send","id":"m1","conversation":"dm:ana:ben","body":"hello"}}"#);
     println!("Ctrl-C stops.");
     crate::shutdown::signal().await;
     cluster.shutdown().await;
+    Ok(())
+}
+
+/// Write a groups file with one group, `team`, of `users`, unless one is
+/// there already (the user's edits are kept between runs).
+fn write_default_groups(path: &Path, users: &[String]) -> anyhow::Result<()> {
+    if path.exists() {
+        return Ok(());
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let groups = serde_json::json!({ "team": users });
+    std::fs::write(path, format!("{groups}\n"))
+        .with_context(|| format!("cannot write {}", path.display()))?;
     Ok(())
 }

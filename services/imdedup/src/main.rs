@@ -1,6 +1,7 @@
 //! The `imdedup` command: each service as its own process, plus the demo and
 //! a local dev cluster. Parsing and wiring only; the services are libraries.
 
+mod authz;
 mod backends;
 mod demo;
 mod dev;
@@ -46,6 +47,9 @@ enum Command {
     Migrate(services::MigrateArgs),
     /// Mint a token for a user, signed with the gateway's secret.
     Token(services::TokenArgs),
+    /// Answer group membership (`imdedup.v1.MembershipService`) from a
+    /// groups file, for gateways started with --membership-url.
+    Membership(authz::MembershipArgs),
 }
 
 impl Command {
@@ -61,6 +65,7 @@ impl Command {
             Command::Gateway(_) => Some(("imdedup-gateway", "info")),
             Command::Migrate(_) => Some(("imdedup-migrate", "warn")),
             Command::Token(_) => None,
+            Command::Membership(_) => Some(("imdedup-membership", "info")),
         }
     }
 }
@@ -77,6 +82,7 @@ impl Command {
             Command::Gateway(args) => args.check(),
             Command::Migrate(args) => args.check(),
             Command::Token(args) => args.check(),
+            Command::Membership(args) => args.check(),
         }
     }
 }
@@ -101,6 +107,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Gateway(args) => services::gateway(args).await,
         Command::Migrate(args) => services::migrate(args).await,
         Command::Token(args) => services::token(args),
+        Command::Membership(args) => authz::membership(args).await,
     };
     if let Some(telemetry) = telemetry {
         telemetry.shutdown().await;

@@ -21,6 +21,7 @@ use imdedup_ingest::{
 };
 use imdedup_storage::{ScyllaOptions, ScyllaStore, SqliteOptions, SqliteStore};
 
+use crate::authz::AuthzArgs;
 use crate::backends::{RedisArgs, ScyllaArgs};
 use tokio::net::TcpListener;
 
@@ -162,6 +163,8 @@ pub struct GatewayArgs {
     /// Time given to sends in flight after SIGTERM.
     #[arg(long, env = "IMDEDUP_GRACE", default_value = "10s", value_parser = duration)]
     pub grace: Duration,
+    #[command(flatten)]
+    pub authz: AuthzArgs,
 }
 
 #[derive(Debug, Args)]
@@ -432,6 +435,7 @@ impl GatewayArgs {
             shards: ShardMap::parse(&self.shards).context("--shards")?,
             storage: self.storage.clone(),
             token_key: TokenKey::new(self.token_secret.clone()).context("--token-secret")?,
+            authz: self.authz.authorizer()?,
             send_timeout: self.send_timeout,
             max_body_bytes: self.max_body_bytes,
             max_connections: self.max_connections,
@@ -452,6 +456,7 @@ pub async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
     let mut registry = Registry::default();
     let metrics = GatewayMetrics::register(&mut registry);
     let gateway = Arc::new(Gateway::new(args.config()?)?.with_metrics(metrics));
+    crate::authz::announce(&gateway.config.authz, &args.authz);
     let listener = bind(args.listen).await?;
     let shards: Vec<_> = gateway.shards.map().names().collect();
     let shard_map = gateway.shards.map().version();

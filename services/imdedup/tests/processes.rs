@@ -150,12 +150,12 @@ fn services_run_as_separate_processes_and_stop_on_sigterm() {
     runtime.block_on(async {
         let ana = connect_phone(gateway_addr, &token).await;
         let first = ana
-            .send(b"p-1", "c", "over processes")
+            .send(b"p-1", "dm:ana:ben", "over processes")
             .await
             .unwrap()
             .unwrap();
         let again = ana
-            .send(b"p-1", "c", "over processes")
+            .send(b"p-1", "dm:ana:ben", "over processes")
             .await
             .unwrap()
             .unwrap();
@@ -265,7 +265,7 @@ fn named_shards_route_by_name_and_each_ingest_accepts_what_the_gateway_sends_it(
     runtime.block_on(async {
         let ana = connect_phone(gateway_addr, &token).await;
         for i in 0..40 {
-            let conversation = format!("c-{i}");
+            let conversation = format!("dm:ana:peer-{i}");
             let ack = ana
                 .send(format!("n-{i}").as_bytes(), &conversation, "routed by name")
                 .await
@@ -425,8 +425,16 @@ fn an_ingest_started_while_redis_is_down_serves_with_the_window_bypassed() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
         let ana = connect_phone(gateway_addr, &token).await;
-        let first = ana.send(b"r-1", "c", "no redis").await.unwrap().unwrap();
-        let again = ana.send(b"r-1", "c", "no redis").await.unwrap().unwrap();
+        let first = ana
+            .send(b"r-1", "dm:ana:ben", "no redis")
+            .await
+            .unwrap()
+            .unwrap();
+        let again = ana
+            .send(b"r-1", "dm:ana:ben", "no redis")
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(first.outcome, "stored");
         // No window: the unique key recognises the resend.
         assert_eq!(again.outcome, "duplicate_unique_key");

@@ -109,7 +109,11 @@ fn one_send_is_one_trace_across_gateway_ingest_and_storage() {
 
     let spans = runtime.block_on(async {
         let ana = connect_phone(gateway_addr, &token).await;
-        let ack = ana.send(b"t-1", "c", "traced").await.unwrap().unwrap();
+        let ack = ana
+            .send(b"t-1", "dm:ana:ben", "traced")
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(ack.outcome, "stored");
         receiver
             .wait_for(Duration::from_secs(10), |spans| {

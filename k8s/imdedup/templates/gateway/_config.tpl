@@ -10,5 +10,12 @@ IMDEDUP_MAX_BODY_BYTES: {{ .Values.config.maxBodyBytes | quote }}
 IMDEDUP_MAX_CONNECTIONS: {{ .Values.gateway.config.maxConnections | quote }}
 IMDEDUP_MAX_IN_FLIGHT: {{ .Values.gateway.config.maxInFlight | quote }}
 IMDEDUP_GRACE: {{ printf "%ds" (int .Values.config.graceSeconds) | quote }}
+IMDEDUP_AUTHZ: {{ .Values.gateway.authz.mode | quote }}
+{{- if .Values.gateway.authz.groups }}
+IMDEDUP_GROUPS_FILE: "/etc/imdedup/groups/groups.json"
+{{- end }}
+{{- with .Values.gateway.authz.membershipUrl }}
+IMDEDUP_MEMBERSHIP_URL: {{ . | quote }}
+{{- end }}
 {{- include "imdedup.commonEnv" . }}
 {{- end -}}

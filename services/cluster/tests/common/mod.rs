@@ -8,6 +8,7 @@ use std::{sync::Arc, time::Duration};
 use imdedup_client::{Client, Encoding};
 use imdedup_cluster::{Backends, ClusterOptions, LocalCluster};
 use imdedup_core::clock::ManualClock;
+use imdedup_gateway::authz::{Authorizer, GroupsFile};
 use imdedup_ingest::{RedisWindowOptions, window::DEFAULT_WINDOW_TTL};
 use imdedup_storage::ScyllaOptions;
 
@@ -39,6 +40,27 @@ pub fn real_endpoints() -> Option<(String, String)> {
     }
 }
 
+/// The group conversations the tests use besides direct ones (`dm:a:b`),
+/// each with every test user as a member.
+pub fn test_groups() -> Authorizer {
+    let everyone: std::collections::HashSet<String> =
+        ["ana", "ben", "carl", "a", "a:b"].map(str::to_owned).into();
+    let groups = [
+        "c",
+        "c-json",
+        "c-protobuf",
+        "chat",
+        "bin",
+        "busy",
+        "race",
+        "main",
+        "side",
+    ]
+    .map(|g| (g.to_owned(), everyone.clone()))
+    .into();
+    Authorizer::members(GroupsFile::fixed(groups).unwrap())
+}
+
 pub fn unique_tag() -> String {
     uuid::Uuid::new_v4().simple().to_string()[..12].to_owned()
 }
@@ -55,6 +77,7 @@ pub struct Harness {
 /// data dir, own keyspace and Redis key prefix). `None`: skipped on purpose.
 pub fn options(kind: Kind, dir: &tempfile::TempDir, clock: &ManualClock) -> Option<ClusterOptions> {
     let mut options = ClusterOptions::new(dir.path(), Arc::new(clock.clone()));
+    options.authz = test_groups();
     if kind == Kind::Real {
         let (redis_url, scylla) = real_endpoints()?;
         let tag = unique_tag();
