@@ -17,7 +17,7 @@ import sys
 
 import yaml
 
-BASE = ["--set", "auth.tokenSecret=chart-test-token-secret-0123456789"]
+BASE = ["--set", "auth.tokenSecret=chart-test-token-secret-0123456789abcdef"]
 COMPONENTS = ("gateway", "ingest", "storage")
 
 # (what changes, --set arguments, {component: annotations that must change})
@@ -30,7 +30,7 @@ CASES = [
     ("storage.config.maxBatch", ["--set", "storage.config.maxBatch=64"], {"storage": {"checksum/config"}}),
     ("config.logLevel (every service)", ["--set", "config.logLevel=debug"],
      {c: {"checksum/config"} for c in COMPONENTS}),
-    ("auth.tokenSecret", ["--set", "auth.tokenSecret=another-token-secret-0123456789"],
+    ("auth.tokenSecret", ["--set", "auth.tokenSecret=another-token-secret-0123456789abcdef"],
      {c: {"checksum/secret"} for c in COMPONENTS}),
     ("redis.password", ["--set", "redis.url=redis://redis:6379", "--set", "redis.password=pw2"],
      {c: {"checksum/secret"} for c in COMPONENTS} | {"ingest": {"checksum/config", "checksum/secret"}}),

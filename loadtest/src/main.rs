@@ -4,6 +4,7 @@ use std::{path::PathBuf, time::Duration};
 
 use clap::{Args, Parser, Subcommand};
 use imdedup_client::Encoding;
+use imdedup_core::secret::Secret;
 use imdedup_loadtest::{
     LoadConfig,
     phone::ResendPolicy,
@@ -65,7 +66,7 @@ struct Common {
     url: Option<String>,
     /// The gateway's token secret, to mint the phones' tokens.
     #[arg(long, env = "IMDEDUP_TOKEN_SECRET", hide_env_values = true)]
-    token_secret: Option<String>,
+    token_secret: Option<Secret>,
     /// With --url: the gateway's groups file (its --groups-file), where the
     /// run's group conversations and members are added.
     #[arg(long, env = "IMDEDUP_GROUPS_FILE", requires = "url")]

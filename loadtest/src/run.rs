@@ -19,6 +19,7 @@ use imdedup_cluster::{ClusterOptions, LocalCluster};
 use imdedup_core::{
     clock::{Clock, ManualClock, SystemClock},
     model::Sender,
+    secret::Secret,
     token::TokenKey,
 };
 use imdedup_gateway::authz::{Authorizer, DirectConversations, GroupsFile, groups::Groups};
@@ -46,7 +47,7 @@ pub enum Target {
     /// groups file it reads (`--groups-file`), where the run's groups go.
     Gateway {
         url: String,
-        token_secret: String,
+        token_secret: Secret,
         groups_file: Option<PathBuf>,
     },
 }
@@ -273,7 +274,7 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
             (
                 None,
                 url.clone(),
-                TokenKey::new(token_secret.clone())?,
+                TokenKey::new(token_secret.expose())?,
                 SystemClock.unix_seconds(),
             )
         }

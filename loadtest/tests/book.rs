@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use imdedup_client::Encoding;
+use imdedup_core::secret::Secret;
 use imdedup_loadtest::{LoadConfig, phone::ResendPolicy, run, run::Target};
 
 /// The runs below drive a cluster at 2,000 messages a second on a small
@@ -143,7 +144,7 @@ async fn nonsense_settings_are_refused() {
     let mut config = book(10);
     config.target = Target::Gateway {
         url: "ws://127.0.0.1:9/v1/ws".into(),
-        token_secret: "0123456789abcdef".into(),
+        token_secret: Secret::new("0123456789abcdef0123456789abcdef"),
         groups_file: None,
     };
     let err = run(config.clone()).await.err().unwrap().to_string();

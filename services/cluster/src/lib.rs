@@ -18,7 +18,7 @@ use imdedup_core::{
     remote_store::RemoteStore,
     routing::{Shard, ShardMap},
     store::MessageStore,
-    token::TokenKey,
+    token::{TokenKey, TokenVerifier},
 };
 use imdedup_gateway::{Gateway, GatewayConfig, authz::Authorizer};
 use imdedup_ingest::{
@@ -254,7 +254,7 @@ impl LocalCluster {
                         .collect(),
                 )?,
                 storage: storage_url,
-                token_key: token_key.clone(),
+                tokens: TokenVerifier::hs256(token_key.clone()),
                 authz: options.authz.clone(),
                 send_timeout: options.send_timeout,
                 max_body_bytes: options.max_body_bytes,

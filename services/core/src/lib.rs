@@ -9,7 +9,9 @@
 //! - [`remote_store`]: the storage service over gRPC, as a store;
 //! - [`batch`]: natural batching for the hops between services;
 //! - [`routing`]: which ingest shard owns a conversation;
-//! - [`token`]: the HMAC-signed tokens that name a connection's sender;
+//! - [`token`]: the JWTs that name a connection's sender, and their
+//!   verification (HS256 secret or JWKS public keys);
+//! - [`watched`]: configuration files read again when they change;
 //! - [`clock`]: time that tests can move by hand;
 //! - [`server`]: gRPC serving with health, reflection and a graceful stop;
 //! - [`metrics`] and [`admin`]: the Prometheus metrics and the admin HTTP
@@ -26,10 +28,12 @@ pub mod metrics;
 pub mod model;
 pub mod remote_store;
 pub mod routing;
+pub mod secret;
 pub mod server;
 pub mod store;
 pub mod telemetry;
 pub mod token;
+pub mod watched;
 pub mod window;
 
 pub use error::{Error, ErrorKind};

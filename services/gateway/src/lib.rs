@@ -25,7 +25,7 @@ use imdedup_core::{
     remote_store::RemoteStore,
     routing::ShardMap,
     store::MessageStore,
-    token::TokenKey,
+    token::TokenVerifier,
 };
 use tokio::{net::TcpListener, sync::Semaphore};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
@@ -43,7 +43,8 @@ pub struct GatewayConfig {
     pub shards: ShardMap,
     /// Storage service URL, for history pulls.
     pub storage: String,
-    pub token_key: TokenKey,
+    /// Verifies the tokens phones connect with.
+    pub tokens: TokenVerifier,
     /// Who may send to and read each conversation.
     pub authz: authz::Authorizer,
     /// Deadline of one send through ingest and storage.
@@ -160,13 +161,17 @@ async fn upgrade(
             ),
         );
     };
-    let (sender, expires_at_unix) = match gateway
+    let verified = match gateway
         .config
-        .token_key
+        .tokens
         .verify(token, gateway.config.clock.unix_seconds())
     {
         Ok(verified) => verified,
-        Err(e) => return refuse(StatusCode::UNAUTHORIZED, e),
+        Err(e) => {
+            // The reason, never the token (it may have come in the URL).
+            tracing::debug!(reason = e.message(), "connection refused: bad token");
+            return refuse(StatusCode::UNAUTHORIZED, e);
+        }
     };
     let Ok(slot) = Arc::clone(&gateway.connections).try_acquire_owned() else {
         return refuse(
@@ -175,8 +180,8 @@ async fn upgrade(
         );
     };
     let session = connection::Session {
-        sender,
-        expires_at_unix,
+        sender: verified.sender,
+        expires_at_unix: verified.expires_at_unix,
     };
     let gateway = Arc::clone(gateway);
     let tracker = state.tracker.clone();

@@ -12,8 +12,9 @@ use imdedup_core::{
     model::{DEFAULT_MAX_BODY_BYTES, Sender},
     remote_store::RemoteStore,
     routing::{Ownership, ShardMap},
+    secret::Secret,
     store::MessageStore,
-    token::TokenKey,
+    token::{Jwks, TokenKey, TokenPolicy, TokenVerifier},
 };
 use imdedup_gateway::{Gateway, GatewayConfig};
 use imdedup_ingest::{
@@ -144,9 +145,8 @@ pub struct GatewayArgs {
         default_value = "http://127.0.0.1:7300"
     )]
     pub storage: String,
-    /// HMAC secret that signs tokens (at least 16 bytes).
-    #[arg(long, env = "IMDEDUP_TOKEN_SECRET", hide_env_values = true)]
-    pub token_secret: String,
+    #[command(flatten)]
+    pub tokens: TokenArgsForGateway,
     /// Deadline of one send through ingest and storage.
     #[arg(long, env = "IMDEDUP_SEND_TIMEOUT", default_value = "5s", value_parser = duration)]
     pub send_timeout: Duration,
@@ -167,6 +167,59 @@ pub struct GatewayArgs {
     pub authz: AuthzArgs,
 }
 
+/// How the gateway verifies phones' tokens.
+#[derive(Debug, Args)]
+pub struct TokenArgsForGateway {
+    /// HS256 secret that signs tokens (at least 32 bytes).
+    #[arg(
+        long,
+        env = "IMDEDUP_TOKEN_SECRET",
+        hide_env_values = true,
+        required_unless_present = "jwks_file"
+    )]
+    pub token_secret: Option<Secret>,
+    /// Public keys (JWKS: RS256, ES256, EdDSA, each with a `kid`) of your
+    /// identity provider; read again when the file changes.
+    #[arg(long, env = "IMDEDUP_JWKS_FILE")]
+    pub jwks_file: Option<PathBuf>,
+    /// Required `iss` claim.
+    #[arg(long, env = "IMDEDUP_TOKEN_ISSUER")]
+    pub token_issuer: Option<String>,
+    /// Required `aud` claim (one of the token's audiences).
+    #[arg(long, env = "IMDEDUP_TOKEN_AUDIENCE")]
+    pub token_audience: Option<String>,
+    /// Clock difference allowed on `exp` and `nbf`.
+    #[arg(long, env = "IMDEDUP_TOKEN_LEEWAY", default_value = "30s", value_parser = duration)]
+    pub token_leeway: Duration,
+    /// Longest token lifetime accepted (`exp` minus `iat`).
+    #[arg(long, env = "IMDEDUP_TOKEN_MAX_LIFETIME", default_value = "24h", value_parser = duration)]
+    pub token_max_lifetime: Duration,
+}
+
+impl TokenArgsForGateway {
+    fn verifier(&self) -> anyhow::Result<TokenVerifier> {
+        let secret = self
+            .token_secret
+            .as_ref()
+            .map(|s| TokenKey::new(s.expose()))
+            .transpose()
+            .context("--token-secret")?;
+        let jwks = self
+            .jwks_file
+            .as_ref()
+            .map(Jwks::open)
+            .transpose()
+            .context("--jwks-file")?;
+        let policy = TokenPolicy {
+            leeway: self.token_leeway,
+            issuer: self.token_issuer.clone(),
+            audience: self.token_audience.clone(),
+            max_lifetime: self.token_max_lifetime,
+        };
+        Ok(TokenVerifier::new(secret, jwks, policy)?)
+    }
+}
+
 #[derive(Debug, Args)]
 pub struct TokenArgs {
     /// The user the token names.
@@ -175,9 +228,9 @@ pub struct TokenArgs {
     /// How long the token is valid.
     #[arg(long, default_value = "24h", value_parser = duration)]
     pub ttl: Duration,
-    /// HMAC secret, the gateway's.
+    /// HS256 secret, the gateway's.
     #[arg(long, env = "IMDEDUP_TOKEN_SECRET", hide_env_values = true)]
-    pub token_secret: String,
+    pub token_secret: Secret,
 }
 
 async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
@@ -434,7 +487,7 @@ impl GatewayArgs {
         Ok(GatewayConfig {
             shards: ShardMap::parse(&self.shards).context("--shards")?,
             storage: self.storage.clone(),
-            token_key: TokenKey::new(self.token_secret.clone()).context("--token-secret")?,
+            tokens: self.tokens.verifier()?,
             authz: self.authz.authorizer()?,
             send_timeout: self.send_timeout,
             max_body_bytes: self.max_body_bytes,
@@ -495,14 +548,14 @@ pub async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
 impl TokenArgs {
     /// `--check-config`: the flags and environment parse and make sense.
     pub fn check(&self) -> anyhow::Result<()> {
-        TokenKey::new(self.token_secret.clone())?;
+        TokenKey::new(self.token_secret.expose())?;
         Sender::parse(self.user.clone())?;
         Ok(())
     }
 }
 
 pub fn token(args: TokenArgs) -> anyhow::Result<()> {
-    let key = TokenKey::new(args.token_secret)?;
+    let key = TokenKey::new(args.token_secret.expose())?;
     let sender = Sender::parse(args.user)?;
     let exp = SystemClock.unix_seconds() + args.ttl.as_secs();
     println!("{}", key.mint(&sender, exp));

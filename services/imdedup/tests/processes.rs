@@ -103,7 +103,7 @@ fn services_run_as_separate_processes_and_stop_on_sigterm() {
     let dir = tempfile::tempdir().unwrap();
     let (storage_addr, ingest_addr, gateway_addr) = (free_addr(), free_addr(), free_addr());
     let admins = [free_addr(), free_addr(), free_addr()];
-    let secret = "process-test-secret-0123456789";
+    let secret = "process-test-secret-0123456789abcdef";
     let storage = Service::start(
         &[
             "storage",
@@ -201,7 +201,7 @@ fn named_shards_route_by_name_and_each_ingest_accepts_what_the_gateway_sends_it(
     let dir = tempfile::tempdir().unwrap();
     let (storage_addr, gateway_addr) = (free_addr(), free_addr());
     let ingest_addrs = [free_addr(), free_addr()];
-    let secret = "process-test-secret-0123456789";
+    let secret = "process-test-secret-0123456789abcdef";
     let storage_url = format!("http://{storage_addr}");
     let admin = || free_addr().to_string();
     let storage = Service::start(
@@ -380,7 +380,7 @@ fn an_ingest_started_while_redis_is_down_serves_with_the_window_bypassed() {
     let dir = tempfile::tempdir().unwrap();
     let (storage_addr, ingest_addr, gateway_addr) = (free_addr(), free_addr(), free_addr());
     let ingest_admin = free_addr();
-    let secret = "process-test-secret-0123456789";
+    let secret = "process-test-secret-0123456789abcdef";
     let storage_url = format!("http://{storage_addr}");
     let admin = free_addr().to_string();
     let storage = Service::start(

@@ -59,7 +59,7 @@ fn one_send_is_one_trace_across_gateway_ingest_and_storage() {
     let (storage_addr, ingest_addr, gateway_addr) = (free_addr(), free_addr(), free_addr());
     // Admin ports too: the defaults may be taken by another test or service.
     let admins = [free_addr(), free_addr(), free_addr()].map(|a| a.to_string());
-    let secret = "trace-test-secret-0123456789";
+    let secret = "trace-test-secret-0123456789abcdef";
     let storage_url = format!("http://{storage_addr}");
     let _storage = traced(
         &[

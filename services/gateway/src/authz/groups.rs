@@ -5,108 +5,63 @@
 //! { "team-7": ["ana", "ben", "carl"], "ops": ["dana"] }
 //! ```
 //!
-//! The file is read again when it changes (checked at most once a second),
-//! so a Kubernetes ConfigMap update or an edit takes effect without a
-//! restart. A change that does not parse is logged and ignored: the last
-//! good groups stay in force.
+//! The file is read again when it changes (see [`WatchedFile`]), so a
+//! Kubernetes ConfigMap update or an edit takes effect without a restart; a
+//! change that does not parse is logged and ignored.
 
 use std::{
     collections::{HashMap, HashSet},
     path::{Path, PathBuf},
-    sync::{Arc, Mutex, RwLock},
-    time::{Duration, Instant, SystemTime},
+    sync::Arc,
 };
 
 use async_trait::async_trait;
 use imdedup_core::{
     Error,
     model::{ConversationId, Sender},
+    watched::WatchedFile,
 };
 
 use super::{Membership, direct};
-
-/// How often the file is checked for a change.
-const RECHECK: Duration = Duration::from_secs(1);
 
 /// Group conversation → members.
 pub type Groups = HashMap<String, HashSet<String>>;
 
 /// Groups read from a JSON file, and read again when it changes.
-pub struct GroupsFile {
-    path: Option<PathBuf>,
-    groups: RwLock<Arc<Groups>>,
-    /// When the file was last checked, and its modification time then.
-    checked: Mutex<(Instant, Option<SystemTime>)>,
+pub enum GroupsFile {
+    Watched(WatchedFile<Groups>),
+    /// Fixed groups, never reloaded (tests, the embedded load driver).
+    Fixed(Arc<Groups>),
 }
 
 impl std::fmt::Debug for GroupsFile {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GroupsFile")
-            .field("path", &self.path)
-            .field("groups", &self.groups.read().map_or(0, |g| g.len()))
-            .finish()
+        match self {
+            Self::Watched(file) => write!(f, "GroupsFile({})", file.path().display()),
+            Self::Fixed(groups) => write!(f, "GroupsFile({} fixed groups)", groups.len()),
+        }
     }
 }
 
 impl GroupsFile {
     /// Read `path` now; a missing or malformed file is an error at start.
     pub fn open(path: impl Into<PathBuf>) -> Result<Self, Error> {
-        let path = path.into();
-        let modified = modified(&path);
-        let groups = read(&path)?;
-        Ok(Self {
-            path: Some(path),
-            groups: RwLock::new(Arc::new(groups)),
-            checked: Mutex::new((Instant::now(), modified)),
-        })
+        WatchedFile::open(path, read).map(Self::Watched)
     }
 
-    /// Fixed groups, never reloaded (tests, the embedded load driver).
+    /// Fixed groups, never reloaded.
     pub fn fixed(groups: Groups) -> Result<Self, Error> {
         check(&groups)?;
-        Ok(Self {
-            path: None,
-            groups: RwLock::new(Arc::new(groups)),
-            checked: Mutex::new((Instant::now(), None)),
-        })
+        Ok(Self::Fixed(Arc::new(groups)))
     }
 
     /// The groups in force, read again first if the file changed.
     pub fn groups(&self) -> Arc<Groups> {
-        self.reload_if_changed();
-        Arc::clone(&self.groups.read().unwrap_or_else(|e| e.into_inner()))
-    }
-
-    fn reload_if_changed(&self) {
-        let Some(path) = &self.path else { return };
-        // One caller checks; the others use the groups in force.
-        let Ok(mut checked) = self.checked.try_lock() else {
-            return;
-        };
-        if checked.0.elapsed() < RECHECK {
-            return;
-        }
-        let now_modified = modified(path);
-        *checked = (Instant::now(), checked.1);
-        if now_modified == checked.1 {
-            return;
-        }
-        match read(path) {
-            Ok(groups) => {
-                tracing::info!(path = %path.display(), groups = groups.len(), "groups file read again");
-                *self.groups.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(groups);
-                checked.1 = now_modified;
-            }
-            Err(e) => {
-                tracing::warn!(path = %path.display(), error = %e, "groups file changed but cannot be used; the previous groups stay");
-                checked.1 = now_modified;
-            }
+        match self {
+            Self::Watched(file) => file.get(),
+            Self::Fixed(groups) => Arc::clone(groups),
         }
     }
-}
-
-fn modified(path: &Path) -> Option<SystemTime> {
-    std::fs::metadata(path).and_then(|m| m.modified()).ok()
 }
 
 fn read(path: &Path) -> Result<Groups, Error> {
@@ -173,33 +128,18 @@ mod tests {
 
         std::fs::write(&path, r#"{"team": ["ben", "carl"]}"#).unwrap();
         // The modification time must differ from the first write's.
-        let later = SystemTime::now() + Duration::from_secs(5);
         std::fs::File::options()
             .write(true)
             .open(&path)
             .unwrap()
-            .set_modified(later)
+            .set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(5))
             .unwrap();
-        groups.checked.lock().unwrap().0 = Instant::now() - RECHECK;
+        let GroupsFile::Watched(file) = &groups else {
+            unreachable!("opened from a file")
+        };
+        file.recheck_now();
         assert!(ask(&groups, "carl", "team"), "the new member is in");
         assert!(!ask(&groups, "ana", "team"), "the removed member is out");
-    }
-
-    #[test]
-    fn a_broken_change_keeps_the_last_good_groups() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("groups.json");
-        std::fs::write(&path, r#"{"team": ["ana"]}"#).unwrap();
-        let groups = GroupsFile::open(&path).unwrap();
-        std::fs::write(&path, r#"{"team": ["#).unwrap();
-        std::fs::File::options()
-            .write(true)
-            .open(&path)
-            .unwrap()
-            .set_modified(SystemTime::now() + Duration::from_secs(5))
-            .unwrap();
-        groups.checked.lock().unwrap().0 = Instant::now() - RECHECK;
-        assert!(ask(&groups, "ana", "team"));
     }
 
     #[test]
