@@ -13,6 +13,8 @@ use imdedup_gateway::authz::{
 };
 use tokio_util::sync::CancellationToken;
 
+mod common;
+
 async fn start(authz: Authorizer) -> (LocalCluster, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let mut options = ClusterOptions::new(dir.path(), Arc::new(ManualClock::new()));
@@ -21,13 +23,7 @@ async fn start(authz: Authorizer) -> (LocalCluster, tempfile::TempDir) {
 }
 
 async fn connect(cluster: &LocalCluster, user: &str) -> Client {
-    Client::connect(
-        &cluster.gateway_url(),
-        &cluster.token(user).unwrap(),
-        Encoding::Json,
-    )
-    .await
-    .unwrap()
+    common::connect(cluster, user, Encoding::Json).await
 }
 
 fn assert_denied(err: &ErrorReply) {

@@ -9,6 +9,8 @@ use imdedup_core::clock::ManualClock;
 
 mod common;
 
+use common::connect;
+
 async fn start() -> (LocalCluster, ManualClock, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::new();
@@ -16,16 +18,6 @@ async fn start() -> (LocalCluster, ManualClock, tempfile::TempDir) {
     options.authz = common::test_groups();
     let cluster = LocalCluster::start(options).await.unwrap();
     (cluster, clock, dir)
-}
-
-async fn connect(cluster: &LocalCluster, user: &str, encoding: Encoding) -> Client {
-    Client::connect(
-        &cluster.gateway_url(),
-        &cluster.token(user).unwrap(),
-        encoding,
-    )
-    .await
-    .unwrap()
 }
 
 fn assert_final(err: &ErrorReply, code: &str, mentions: &str) {

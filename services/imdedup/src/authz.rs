@@ -135,9 +135,7 @@ impl MembershipArgs {
 /// Serve `imdedup.v1.MembershipService` from a groups file until SIGTERM.
 pub async fn membership(args: MembershipArgs) -> anyhow::Result<()> {
     let groups = GroupsFile::open(&args.groups_file).context("--groups-file")?;
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let listener = crate::services::bind(args.listen).await?;
     tracing::info!(listen = %args.listen, groups_file = %args.groups_file.display(), "membership serving");
     crate::shutdown::serve_until_signal("membership", args.grace, move |stop| {
         serve_groups(listener, groups, stop)

@@ -233,7 +233,7 @@ pub struct TokenArgs {
     pub token_secret: Secret,
 }
 
-async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
+pub(crate) async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
     TcpListener::bind(addr)
         .await
         .with_context(|| format!("cannot listen on {addr}"))

@@ -61,6 +61,17 @@ pub fn test_groups() -> Authorizer {
     Authorizer::members(GroupsFile::fixed(groups).unwrap())
 }
 
+/// A phone of `user` on `cluster`'s gateway.
+pub async fn connect(cluster: &LocalCluster, user: &str, encoding: Encoding) -> Client {
+    Client::connect(
+        &cluster.gateway_url(),
+        &cluster.token(user).unwrap(),
+        encoding,
+    )
+    .await
+    .unwrap()
+}
+
 pub fn unique_tag() -> String {
     uuid::Uuid::new_v4().simple().to_string()[..12].to_owned()
 }
@@ -106,10 +117,7 @@ pub async fn start(kind: Kind) -> Option<Harness> {
 
 impl Harness {
     pub async fn connect(&self, user: &str, encoding: Encoding) -> Client {
-        let token = self.cluster.token(user).unwrap();
-        Client::connect(&self.cluster.gateway_url(), &token, encoding)
-            .await
-            .unwrap()
+        connect(&self.cluster, user, encoding).await
     }
 
     /// Let the recent-ID window forget everything, as its TTL passing would.

@@ -106,8 +106,11 @@ impl MembershipService {
         })
     }
 
-    async fn ask(&self, user: String, conversation: String) -> Result<bool, Error> {
-        let mut request = tonic::Request::new(CheckMembershipRequest { user, conversation });
+    async fn ask(&self, user: &str, conversation: &str) -> Result<bool, Error> {
+        let mut request = tonic::Request::new(CheckMembershipRequest {
+            user: user.to_owned(),
+            conversation: conversation.to_owned(),
+        });
         request.set_timeout(self.timeout);
         match self.client.clone().check_membership(request).await {
             Ok(reply) => Ok(reply.into_inner().member),
@@ -125,8 +128,9 @@ impl MembershipService {
 impl Membership for MembershipService {
     async fn is_member(&self, user: &Sender, conversation: &ConversationId) -> Result<bool, Error> {
         let key = (user.as_str().to_owned(), conversation.as_str().to_owned());
+        // The question is only sent on a miss; a hit costs the key alone.
         self.answers
-            .try_get_with(key.clone(), self.ask(key.0, key.1))
+            .try_get_with(key, self.ask(user.as_str(), conversation.as_str()))
             .await
             .map_err(|e: Arc<Error>| (*e).clone())
     }
