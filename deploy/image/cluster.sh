@@ -157,7 +157,9 @@ until [ "$(pm exec "$PREFIX-redis" redis-cli ping 2>/dev/null)" = PONG ]; do
 done
 log "redis ready"
 
-IMDEDUP=(--user 65532:65532 "$IMAGE")
+# Plaintext between the containers of this one-machine check; the chart
+# runs mutual TLS (internalTls in values.yaml).
+IMDEDUP=(--user 65532:65532 -e IMDEDUP_INSECURE_PLAINTEXT=true "$IMAGE")
 
 # :U makes the fresh volume owned by the container's user (65532).
 run storage -v "$VOLUME:/var/lib/imdedup:U" \

@@ -4,7 +4,8 @@ Run by deploy/local/faults.sh (which starts the services and builds the
 binaries); see that script for the overview. Python 3.11 standard library only.
 
 Every scenario starts its own cluster on loopback, one process per service
-(storage, ingest shards writing to Cassandra themselves, a gateway), in a
+(storage, ingest shards writing to Cassandra themselves, a gateway), talking
+mutual TLS with certificates from `imdedup certs`, in a
 keyspace and Redis key prefix of its own, drives `imdedup-load steady` through
 the gateway with followers, injects its fault while the load runs, and prints
 one line: messages, lost, repeats, missed by followers, reordered (delivered
@@ -49,6 +50,15 @@ class Cluster:
         # The gateway's groups file; the load driver adds its run's groups.
         self.groups = Path(tempfile.gettempdir()) / f"imdedup-faults-{keyspace}-groups.json"
         self.groups.write_text("{}")
+        # Mutual TLS between the services, as deployed: a throwaway CA.
+        self.tls = procs.logdir / f"tls-{keyspace}"
+        subprocess.run([args.imdedup, "certs", "--out", str(self.tls)], check=True,
+                       stdout=subprocess.DEVNULL)
+
+    def tls_flags(self, service: str) -> list[str]:
+        d = self.tls / service
+        return ["--tls-cert", str(d / "tls.crt"), "--tls-key", str(d / "tls.key"),
+                "--tls-ca", str(d / "ca.crt")]
 
     def port(self, name: str) -> tuple[int, int]:
         if name not in self.ports:
@@ -56,7 +66,7 @@ class Cluster:
         return self.ports[name]
 
     def shard_map(self, names: list[str]) -> str:
-        return ",".join(f"{n}=http://127.0.0.1:{self.port(n)[0]}" for n in names)
+        return ",".join(f"{n}=https://127.0.0.1:{self.port(n)[0]}" for n in names)
 
     def scylla(self) -> list[str]:
         return ["--scylla", self.args.scylla, "--scylla-keyspace", self.keyspace,
@@ -66,13 +76,16 @@ class Cluster:
     def argv(self, name: str, names: list[str]) -> list[str]:
         grpc, admin = self.port(name)
         common = [f"--listen=127.0.0.1:{grpc}", f"--admin-listen=127.0.0.1:{admin}", "--grace=3s"]
-        storage = f"http://127.0.0.1:{self.port('storage')[0]}"
+        storage = f"https://127.0.0.1:{self.port('storage')[0]}"
         if name == "storage":
-            return [self.args.imdedup, "storage", *common, *self.scylla()]
+            return [self.args.imdedup, "storage", *common, *self.tls_flags("storage"),
+                    *self.scylla()]
         if name == "gateway":
-            return [self.args.imdedup, "gateway", *common, "--shards", self.shard_map(names),
+            return [self.args.imdedup, "gateway", *common, *self.tls_flags("gateway"),
+                    "--shards", self.shard_map(names),
                     "--storage", storage, "--groups-file", str(self.groups)]
-        return [self.args.imdedup, "ingest", *common, "--shard-name", name,
+        return [self.args.imdedup, "ingest", *common, *self.tls_flags("ingest"),
+                "--shard-name", name,
                 "--shards", self.shard_map(names), "--storage", storage,
                 "--redis", self.args.redis, "--redis-key-prefix", f"{self.keyspace}:",
                 *self.scylla()]

@@ -17,7 +17,9 @@ use imdedup_core::{
     model::{DEFAULT_MAX_BODY_BYTES, Sender},
     remote_store::RemoteStore,
     routing::{Shard, ShardMap},
+    server::ServeOptions,
     store::MessageStore,
+    tls::{InternalTls, names},
     token::{TokenKey, TokenVerifier},
 };
 use imdedup_gateway::{Gateway, GatewayConfig, authz::Authorizer};
@@ -66,6 +68,12 @@ pub struct ClusterOptions {
     /// Who may send to and read each conversation (default: direct
     /// conversations only).
     pub authz: Authorizer,
+    /// How the services talk to each other (default: plaintext on
+    /// loopback). With mutual TLS, the one identity is every service's, so
+    /// its certificate must name all three and 127.0.0.1.
+    pub internal_tls: InternalTls,
+    /// The gRPC servers answer server reflection.
+    pub reflection: bool,
 }
 
 impl ClusterOptions {
@@ -83,7 +91,18 @@ impl ClusterOptions {
             gateway_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             dedup_off: false,
             authz: Authorizer::direct_only(),
+            internal_tls: InternalTls::Plaintext,
+            reflection: false,
         }
+    }
+
+    /// How a server that accepts `callers` serves.
+    fn serving(&self, callers: &[&str]) -> anyhow::Result<ServeOptions> {
+        let callers: Vec<String> = callers.iter().map(|&name| name.to_owned()).collect();
+        Ok(ServeOptions {
+            reflection: self.reflection,
+            tls: self.internal_tls.server(&callers)?,
+        })
     }
 }
 
@@ -171,8 +190,9 @@ impl LocalCluster {
         let storage_addr = storage_listener.local_addr()?;
         let mut storage_registry = Registry::default();
         let storage_metrics = StoreMetrics::register(&mut storage_registry);
-        let storage =
-            Some(start_storage(&options, storage_listener, storage_metrics.clone()).await?);
+        let (storage, storage_store) =
+            start_storage(&options, storage_listener, storage_metrics.clone()).await?;
+        let storage = Some(storage);
         let storage_url = format!("http://{storage_addr}");
         let mut admins = vec![start_admin("storage".to_owned(), storage_registry).await?];
 
@@ -195,10 +215,17 @@ impl LocalCluster {
                             )
                             .with_metrics(metrics.window.clone()),
                         ),
-                        Arc::new(RemoteStore::connect_lazy(
-                            &storage_url,
-                            options.storage_timeout,
-                        )?),
+                        if options.dedup_off {
+                            // Copies are stored in process: no storage
+                            // service offers them over the wire.
+                            Arc::clone(&storage_store)
+                        } else {
+                            Arc::new(RemoteStore::connect_lazy(
+                                &storage_url,
+                                options.storage_timeout,
+                                &options.internal_tls,
+                            )?)
+                        },
                     ),
                     // Each shard has its own window client and its own store
                     // (its own seq leases), as separate processes would.
@@ -227,8 +254,10 @@ impl LocalCluster {
             let dedup = Arc::new(dedup);
             let serving = Arc::clone(&dedup);
             let max_body = options.max_body_bytes;
+            let serve_options = options.serving(&[names::GATEWAY])?;
             let running = spawn("ingest", move |stop| async move {
-                let served = imdedup_ingest::serve(listener, serving, max_body, stop).await;
+                let served =
+                    imdedup_ingest::serve(listener, serving, max_body, serve_options, stop).await;
                 // As the ingest process does: inserts finish, then the
                 // store leaves (its conversations free for a successor).
                 store.drain().await;
@@ -254,6 +283,7 @@ impl LocalCluster {
                         .collect(),
                 )?,
                 storage: storage_url,
+                internal_tls: options.internal_tls.clone(),
                 tokens: TokenVerifier::hs256(token_key.clone()),
                 authz: options.authz.clone(),
                 send_timeout: options.send_timeout,
@@ -354,8 +384,9 @@ impl LocalCluster {
         self.stop_storage().await;
         // The old writer thread lets go of the file once its queue closes.
         let listener = bind(self.storage_addr).await?;
-        self.storage =
-            Some(start_storage(&self.options, listener, self.storage_metrics.clone()).await?);
+        let (storage, _) =
+            start_storage(&self.options, listener, self.storage_metrics.clone()).await?;
+        self.storage = Some(storage);
         Ok(())
     }
 
@@ -382,7 +413,7 @@ async fn start_storage(
     options: &ClusterOptions,
     listener: TcpListener,
     metrics: StoreMetrics,
-) -> anyhow::Result<Running> {
+) -> anyhow::Result<(Running, Arc<dyn MessageStore>)> {
     let store: Arc<dyn MessageStore> = match &options.backends {
         Backends::Embedded => {
             let mut sqlite = SqliteOptions::new(options.data_dir.join("messages.db"));
@@ -398,9 +429,13 @@ async fn start_storage(
             .await?,
         ),
     };
-    Ok(spawn("storage", move |stop| async move {
-        let served = imdedup_storage::serve(listener, Arc::clone(&store), stop).await;
-        store.drain().await;
+    let serve_options = options.serving(&[names::INGEST, names::GATEWAY])?;
+    let serving = Arc::clone(&store);
+    let running = spawn("storage", move |stop| async move {
+        let served =
+            imdedup_storage::serve(listener, Arc::clone(&serving), serve_options, stop).await;
+        serving.drain().await;
         served
-    }))
+    });
+    Ok((running, store))
 }

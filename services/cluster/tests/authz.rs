@@ -7,7 +7,7 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 
 use imdedup_client::{Client, Encoding, ErrorReply};
 use imdedup_cluster::{ClusterOptions, LocalCluster};
-use imdedup_core::clock::ManualClock;
+use imdedup_core::{clock::ManualClock, tls::InternalTls};
 use imdedup_gateway::authz::{
     Authorizer, GroupsFile, MembershipService, ServiceOptions, service::serve_groups,
 };
@@ -122,7 +122,12 @@ async fn membership_server(groups: &str) -> (SocketAddr, CancellationToken, temp
     let addr = listener.local_addr().unwrap();
     let stop = CancellationToken::new();
     let groups = GroupsFile::open(&path).unwrap();
-    tokio::spawn(serve_groups(listener, groups, stop.clone()));
+    tokio::spawn(serve_groups(
+        listener,
+        groups,
+        Default::default(),
+        stop.clone(),
+    ));
     (addr, stop, dir)
 }
 
@@ -131,7 +136,7 @@ async fn the_membership_service_decides_groups_and_when_it_is_down_nothing_goes_
     let (addr, stop, _groups) = membership_server(r#"{"team": ["ana", "ben"]}"#).await;
     let mut options = ServiceOptions::new(format!("http://{addr}"));
     options.timeout = Duration::from_millis(300);
-    let service = MembershipService::connect_lazy(&options).unwrap();
+    let service = MembershipService::connect_lazy(&options, &InternalTls::Plaintext).unwrap();
     let (cluster, _dir) = start(Authorizer::members(service)).await;
     let ana = connect(&cluster, "ana").await;
     let carl = connect(&cluster, "carl").await;

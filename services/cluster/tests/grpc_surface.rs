@@ -1,5 +1,6 @@
-//! Every gRPC server answers health checks and lists its services through
-//! reflection, so grpcurl and Kubernetes gRPC probes work.
+//! Every gRPC server answers health checks, so Kubernetes gRPC probes work,
+//! and, when asked to, lists its services through reflection for grpcurl;
+//! by default it tells a caller nothing about its API.
 
 use std::sync::Arc;
 
@@ -21,17 +22,22 @@ async fn channel(url: &str) -> tonic::transport::Channel {
         .unwrap()
 }
 
-async fn list_services(url: &str) -> Vec<String> {
+async fn reflection(
+    url: &str,
+) -> Result<tonic::Streaming<tonic_reflection::pb::v1::ServerReflectionResponse>, tonic::Status> {
     let mut client = ServerReflectionClient::new(channel(url).await);
     let request = ServerReflectionRequest {
         host: String::new(),
         message_request: Some(MessageRequest::ListServices(String::new())),
     };
-    let mut replies = client
+    client
         .server_reflection_info(tokio_stream::iter([request]))
         .await
-        .unwrap()
-        .into_inner();
+        .map(tonic::Response::into_inner)
+}
+
+async fn list_services(url: &str) -> Vec<String> {
+    let mut replies = reflection(url).await.unwrap();
     let reply = replies.message().await.unwrap().unwrap();
     match reply.message_response {
         Some(MessageResponse::ListServicesResponse(list)) => {
@@ -54,11 +60,11 @@ async fn health(url: &str, service: &str) -> ServingStatus {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn servers_expose_reflection_and_health() {
+async fn servers_expose_reflection_when_asked_and_health() {
     let dir = tempfile::tempdir().unwrap();
-    let cluster = LocalCluster::start(ClusterOptions::new(dir.path(), Arc::new(SystemClock)))
-        .await
-        .unwrap();
+    let mut options = ClusterOptions::new(dir.path(), Arc::new(SystemClock));
+    options.reflection = true;
+    let cluster = LocalCluster::start(options).await.unwrap();
 
     let storage = list_services(&cluster.storage_url()).await;
     assert!(
@@ -80,6 +86,26 @@ async fn servers_expose_reflection_and_health() {
             ingest.contains(&"imdedup.v1.IngestService".to_owned()),
             "{ingest:?}"
         );
+        assert_eq!(health(&url, "").await, ServingStatus::Serving);
+    }
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reflection_is_off_unless_asked_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = LocalCluster::start(ClusterOptions::new(dir.path(), Arc::new(SystemClock)))
+        .await
+        .unwrap();
+    for url in [cluster.storage_url()]
+        .into_iter()
+        .chain(cluster.ingest_urls())
+    {
+        let Err(refused) = reflection(&url).await else {
+            panic!("{url}: reflection answered");
+        };
+        assert_eq!(refused.code(), tonic::Code::Unimplemented, "{url}");
+        // Health still answers, for the probes.
         assert_eq!(health(&url, "").await, ServingStatus::Serving);
     }
     cluster.shutdown().await;

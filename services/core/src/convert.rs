@@ -60,7 +60,6 @@ impl From<NewMessage> for pb::InsertOnceRequest {
             client_msg_id: m.key.client_msg_id.into_bytes(),
             conversation: m.conversation.as_str().to_owned(),
             body: m.body.into_string(),
-            store_copy: false,
             trace_context: Default::default(),
         }
     }

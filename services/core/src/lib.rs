@@ -13,7 +13,10 @@
 //!   verification (HS256 secret or JWKS public keys);
 //! - [`watched`]: configuration files read again when they change;
 //! - [`clock`]: time that tests can move by hand;
-//! - [`server`]: gRPC serving with health, reflection and a graceful stop;
+//! - [`server`]: gRPC serving with health, optional reflection and a
+//!   graceful stop;
+//! - [`tls`]: mutual TLS between the services, certificates read again when
+//!   they change;
 //! - [`metrics`] and [`admin`]: the Prometheus metrics and the admin HTTP
 //!   port (`/metrics`, `/healthz`, `/readyz`).
 //! - [`telemetry`]: the log, OpenTelemetry traces, and the trace context
@@ -32,6 +35,7 @@ pub mod secret;
 pub mod server;
 pub mod store;
 pub mod telemetry;
+pub mod tls;
 pub mod token;
 pub mod watched;
 pub mod window;

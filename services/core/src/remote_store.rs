@@ -11,6 +11,7 @@ use crate::{
     convert,
     model::{HistoryQuery, MessageKey, NewMessage, StoredMessage},
     store::{Insert, MessageStore},
+    tls::{self, InternalTls},
 };
 use async_trait::async_trait;
 use futures_util::StreamExt;
@@ -30,16 +31,17 @@ pub struct RemoteStore {
 }
 
 impl RemoteStore {
-    /// A client for the storage service at `url` (`http://host:port`).
-    /// Connects on first use and reconnects by itself.
-    pub fn connect_lazy(url: &str, timeout: Duration) -> Result<Self, Error> {
+    /// A client for the storage service at `url` (`http://host:port`, or
+    /// `https://` with mutual TLS). Connects on first use (over `tls`) and
+    /// reconnects by itself.
+    pub fn connect_lazy(url: &str, timeout: Duration, tls: &InternalTls) -> Result<Self, Error> {
         let endpoint = Endpoint::from_shared(url.to_owned())
             .map_err(|e| Error::invalid(format!("bad storage url {url:?}: {e}")))?
             .connect_timeout(Duration::from_secs(2))
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(30));
         Ok(Self {
-            client: StorageServiceClient::new(endpoint.connect_lazy())
+            client: StorageServiceClient::new(tls::channel(endpoint, tls)?)
                 .max_decoding_message_size(crate::batch::MAX_BATCH_MESSAGE_BYTES),
             timeout,
             limits: BatchLimits::default(),
@@ -92,18 +94,6 @@ impl MessageStore for RemoteStore {
         } else {
             Insert::AlreadyStored(row)
         })
-    }
-
-    async fn insert_copy(&self, message: NewMessage) -> Result<StoredMessage, Error> {
-        let mut request = pb::InsertOnceRequest::from(message);
-        request.store_copy = true;
-        request.trace_context = crate::telemetry::trace_context();
-        let reply = self.insert(request).await?;
-        convert::stored_message(
-            reply
-                .message
-                .ok_or_else(|| Error::internal("storage answered without a row"))?,
-        )
     }
 
     async fn lookup(&self, key: &MessageKey) -> Result<Option<StoredMessage>, Error> {

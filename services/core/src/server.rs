@@ -1,9 +1,10 @@
 //! Serving a gRPC service the way every imdedup server does: with the gRPC
-//! health service and server reflection next to it, a server span per call
-//! (continuing the caller's trace, see [`crate::telemetry`]), and a graceful
-//! stop.
+//! health service next to it (and server reflection when asked for), over
+//! mutual TLS unless plaintext is asked for (see [`crate::tls`]), a server
+//! span per call (continuing the caller's trace, see [`crate::telemetry`]),
+//! and a graceful stop.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use tokio::net::TcpListener;
 use tokio_stream::{StreamExt, wrappers::TcpListenerStream};
@@ -12,6 +13,17 @@ use tonic::service::Routes;
 use tonic_health::ServingStatus;
 
 use crate::telemetry::GrpcServerTraceLayer;
+
+/// How a gRPC server serves, besides what it serves.
+#[derive(Clone, Debug, Default)]
+pub struct ServeOptions {
+    /// Answer gRPC server reflection (grpcurl without the protos). Off in
+    /// production: it tells any caller the whole API.
+    pub reflection: bool,
+    /// Mutual TLS (see [`crate::tls::InternalTls::server`]); `None` serves
+    /// plaintext.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
+}
 
 /// Serve `routes` on `listener` until `shutdown` is cancelled, then stop
 /// taking new calls, report NOT_SERVING on the health service, and let calls
@@ -24,6 +36,7 @@ pub async fn serve_grpc(
     service_names: &[&'static str],
     routes: Routes,
     max_concurrent_per_connection: usize,
+    options: ServeOptions,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let (health, health_service) = tonic_health::server::health_reporter();
@@ -48,26 +61,38 @@ pub async fn serve_grpc(
                 |builder, name| builder.with_service_name(name),
             )
     };
-    let reflection_v1 = reflection()
-        .build_v1()
-        .expect("the embedded descriptor sets are valid");
-    let reflection_v1alpha = reflection()
-        .build_v1alpha()
-        .expect("the embedded descriptor sets are valid");
-    let routes = routes
-        .add_service(health_service)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha);
+    let mut routes = routes.add_service(health_service);
+    if options.reflection {
+        let reflection_v1 = reflection()
+            .build_v1()
+            .expect("the embedded descriptor sets are valid");
+        let reflection_v1alpha = reflection()
+            .build_v1alpha()
+            .expect("the embedded descriptor sets are valid");
+        routes = routes
+            .add_service(reflection_v1)
+            .add_service(reflection_v1alpha);
+    }
 
     let names = service_names.to_vec();
+    let stopping = shutdown.clone();
     let signal = async move {
-        shutdown.cancelled().await;
+        stopping.cancelled().await;
         for name in names.into_iter().chain([""]) {
             health
                 .set_service_status(name, ServingStatus::NotServing)
                 .await;
         }
     };
+    let server = tonic::transport::Server::builder()
+        .layer(GrpcServerTraceLayer)
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .concurrency_limit_per_connection(max_concurrent_per_connection)
+        .add_routes(routes);
+    if let Some(tls) = options.tls {
+        let incoming = crate::tls::incoming(listener, tls, shutdown);
+        return server.serve_with_incoming_shutdown(incoming, signal).await;
+    }
     // The builder's `tcp_nodelay` only reaches sockets it accepts itself;
     // these come from our listener, so set it here. Without it, small
     // answers wait for Nagle and the peer's delayed ACK (tens of ms).
@@ -78,11 +103,5 @@ pub async fn serve_grpc(
             }
         })
     });
-    tonic::transport::Server::builder()
-        .layer(GrpcServerTraceLayer)
-        .http2_keepalive_interval(Some(Duration::from_secs(30)))
-        .concurrency_limit_per_connection(max_concurrent_per_connection)
-        .add_routes(routes)
-        .serve_with_incoming_shutdown(incoming, signal)
-        .await
+    server.serve_with_incoming_shutdown(incoming, signal).await
 }

@@ -39,8 +39,9 @@ pub trait MessageStore: Send + Sync + 'static {
     async fn insert_once(&self, message: NewMessage) -> Result<Insert, Error>;
 
     /// Store another copy even if the key is stored: what a server without
-    /// dedup does. Exists only to demonstrate the problem (local mode); a
-    /// backend may refuse.
+    /// dedup does. Exists only to demonstrate the problem, in process (the
+    /// local cluster with dedup off); no gRPC API offers it, and a backend
+    /// may refuse.
     async fn insert_copy(&self, message: NewMessage) -> Result<StoredMessage, Error> {
         let _ = message;
         Err(Error::invalid("this backend does not store copies"))

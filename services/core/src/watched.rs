@@ -1,8 +1,9 @@
-//! A file read at start and read again when it changes (its modification
-//! time, checked at most once a second, on use), for configuration that
-//! must change without a restart: groups, token keys. A Kubernetes
-//! ConfigMap or Secret mounted as a directory updates this way. A change
-//! that does not parse is logged and ignored: the last good value stays.
+//! A file (or a few files read together) read at start and read again when
+//! it changes (modification times, checked at most once a second, on use),
+//! for configuration that must change without a restart: groups, token
+//! keys, certificates. A Kubernetes ConfigMap or Secret mounted as a
+//! directory updates this way. A change that does not parse is logged and
+//! ignored: the last good value stays.
 
 use std::{
     path::{Path, PathBuf},
@@ -15,34 +16,44 @@ use crate::Error;
 /// How often the file is checked for a change.
 pub const RECHECK: Duration = Duration::from_secs(1);
 
+type Parse<T> = Box<dyn Fn(&[PathBuf]) -> Result<T, Error> + Send + Sync>;
+
 /// The parsed content of a file, kept current.
 pub struct WatchedFile<T> {
-    path: PathBuf,
-    parse: fn(&Path) -> Result<T, Error>,
+    paths: Vec<PathBuf>,
+    parse: Parse<T>,
     value: RwLock<Arc<T>>,
-    /// When the file was last checked, and its modification time then.
-    checked: Mutex<(Instant, Option<SystemTime>)>,
+    /// When the files were last checked, and their modification times then.
+    checked: Mutex<(Instant, Vec<Option<SystemTime>>)>,
 }
 
-impl<T> WatchedFile<T> {
+impl<T: 'static> WatchedFile<T> {
     /// Read and parse `path` now; an error here is an error at start.
     pub fn open(
         path: impl Into<PathBuf>,
         parse: fn(&Path) -> Result<T, Error>,
     ) -> Result<Self, Error> {
-        let path = path.into();
-        let modified = modified(&path);
-        let value = parse(&path)?;
+        Self::open_all(vec![path.into()], move |paths| parse(&paths[0]))
+    }
+
+    /// Read and parse `paths` together now, and again when any changes.
+    pub fn open_all(
+        paths: Vec<PathBuf>,
+        parse: impl Fn(&[PathBuf]) -> Result<T, Error> + Send + Sync + 'static,
+    ) -> Result<Self, Error> {
+        let modified = paths.iter().map(|p| modified(p)).collect();
+        let value = parse(&paths)?;
         Ok(Self {
-            path,
-            parse,
+            paths,
+            parse: Box::new(parse),
             value: RwLock::new(Arc::new(value)),
             checked: Mutex::new((Instant::now(), modified)),
         })
     }
 
+    /// The (first) file watched.
     pub fn path(&self) -> &Path {
-        &self.path
+        &self.paths[0]
     }
 
     /// The value in force, read again first if the file changed.
@@ -66,14 +77,14 @@ impl<T> WatchedFile<T> {
         if checked.0.elapsed() < RECHECK {
             return;
         }
-        let now_modified = modified(&self.path);
+        let now_modified: Vec<_> = self.paths.iter().map(|p| modified(p)).collect();
         let changed = now_modified != checked.1;
         *checked = (Instant::now(), now_modified);
         if !changed {
             return;
         }
-        let path = self.path.display();
-        match (self.parse)(&self.path) {
+        let path = self.path().display();
+        match (self.parse)(&self.paths) {
             Ok(value) => {
                 tracing::info!(%path, "file changed; read again");
                 *self.value.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(value);

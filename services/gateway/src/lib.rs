@@ -25,6 +25,7 @@ use imdedup_core::{
     remote_store::RemoteStore,
     routing::ShardMap,
     store::MessageStore,
+    tls::InternalTls,
     token::TokenVerifier,
 };
 use tokio::{net::TcpListener, sync::Semaphore};
@@ -43,6 +44,8 @@ pub struct GatewayConfig {
     pub shards: ShardMap,
     /// Storage service URL, for history pulls.
     pub storage: String,
+    /// How the gateway reaches ingest and storage.
+    pub internal_tls: InternalTls,
     /// Verifies the tokens phones connect with.
     pub tokens: TokenVerifier,
     /// Who may send to and read each conversation.
@@ -67,8 +70,16 @@ pub struct Gateway {
 impl Gateway {
     pub fn new(config: GatewayConfig) -> Result<Self, Error> {
         Ok(Self {
-            shards: Shards::connect_lazy(config.shards.clone(), config.send_timeout)?,
-            storage: RemoteStore::connect_lazy(&config.storage, config.send_timeout)?,
+            shards: Shards::connect_lazy(
+                config.shards.clone(),
+                config.send_timeout,
+                &config.internal_tls,
+            )?,
+            storage: RemoteStore::connect_lazy(
+                &config.storage,
+                config.send_timeout,
+                &config.internal_tls,
+            )?,
             connections: Arc::new(Semaphore::new(config.max_connections)),
             metrics: GatewayMetrics::default(),
             config,

@@ -11,6 +11,7 @@ use imdedup_core::{
     model::{Ack, NewMessage},
     routing::ShardMap,
     telemetry,
+    tls::{self, InternalTls},
 };
 use imdedup_proto::v1::{self as pb, ingest_service_client::IngestServiceClient, send_response};
 use tonic::transport::{Channel, Endpoint};
@@ -27,9 +28,14 @@ pub struct Shards {
 }
 
 impl Shards {
-    /// Clients for the shards of `map`; none connects until used. A batch
-    /// gets `timeout` as its deadline. Must be called inside a Tokio runtime.
-    pub fn connect_lazy(map: ShardMap, timeout: Duration) -> Result<Self, Error> {
+    /// Clients for the shards of `map`; none connects until used (then over
+    /// `tls`). A batch gets `timeout` as its deadline. Must be called inside
+    /// a Tokio runtime.
+    pub fn connect_lazy(
+        map: ShardMap,
+        timeout: Duration,
+        tls: &InternalTls,
+    ) -> Result<Self, Error> {
         let batchers = map
             .shards()
             .iter()
@@ -40,7 +46,7 @@ impl Shards {
                     .connect_timeout(Duration::from_secs(2))
                     .tcp_nodelay(true)
                     .http2_keep_alive_interval(Duration::from_secs(30));
-                let client = IngestServiceClient::new(endpoint.connect_lazy())
+                let client = IngestServiceClient::new(tls::channel(endpoint, tls)?)
                     .max_decoding_message_size(MAX_BATCH_MESSAGE_BYTES);
                 Ok(Batcher::spawn(BatchLimits::default(), move |sends| {
                     send_batch(client.clone(), timeout, sends)

@@ -9,7 +9,10 @@ use imdedup_gateway::authz::{
     Authorizer, GroupsFile, MembershipService, ServiceOptions, service::serve_groups,
 };
 
+use imdedup_core::tls::{InternalTls, names};
+
 use crate::services::duration;
+use crate::tls::{InternalTlsArgs, serve_options};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum AuthzMode {
@@ -52,7 +55,8 @@ pub struct AuthzArgs {
 }
 
 impl AuthzArgs {
-    pub fn authorizer(&self) -> anyhow::Result<Authorizer> {
+    /// Who may do what; the membership service is reached over `tls`.
+    pub fn authorizer(&self, tls: &InternalTls) -> anyhow::Result<Authorizer> {
         if self.authz == AuthzMode::Open {
             return Ok(Authorizer::Open);
         }
@@ -68,7 +72,8 @@ impl AuthzArgs {
                 not_member_ttl: self.membership_not_member_ttl,
                 capacity: self.membership_cache_size,
             };
-            let service = MembershipService::connect_lazy(&options).context("--membership-url")?;
+            let service =
+                MembershipService::connect_lazy(&options, tls).context("--membership-url")?;
             return Ok(Authorizer::members(service));
         }
         Ok(Authorizer::direct_only())
@@ -122,12 +127,22 @@ pub struct MembershipArgs {
     /// Time given to calls in flight after SIGTERM.
     #[arg(long, env = "IMDEDUP_GRACE", default_value = "5s", value_parser = duration)]
     pub grace: Duration,
+    #[command(flatten)]
+    pub tls: InternalTlsArgs,
+    /// Certificate names (DNS) of the callers accepted over mutual TLS.
+    #[arg(long, env = "IMDEDUP_TLS_ALLOW_CLIENTS", value_delimiter = ',', default_value = names::GATEWAY)]
+    pub tls_allow_clients: Vec<String>,
+    /// Answer gRPC server reflection (for grpcurl without the protos).
+    #[arg(long, env = "IMDEDUP_GRPC_REFLECTION")]
+    pub grpc_reflection: bool,
 }
 
 impl MembershipArgs {
     /// `--check-config`: the groups file reads and makes sense.
     pub fn check(&self) -> anyhow::Result<()> {
         GroupsFile::open(&self.groups_file).context("--groups-file")?;
+        let tls = self.tls.internal_tls()?;
+        serve_options(&tls, &self.tls_allow_clients, self.grpc_reflection)?;
         Ok(())
     }
 }
@@ -135,10 +150,13 @@ impl MembershipArgs {
 /// Serve `imdedup.v1.MembershipService` from a groups file until SIGTERM.
 pub async fn membership(args: MembershipArgs) -> anyhow::Result<()> {
     let groups = GroupsFile::open(&args.groups_file).context("--groups-file")?;
+    let tls = args.tls.internal_tls()?;
+    crate::tls::announce(&tls);
+    let options = serve_options(&tls, &args.tls_allow_clients, args.grpc_reflection)?;
     let listener = crate::services::bind(args.listen).await?;
     tracing::info!(listen = %args.listen, groups_file = %args.groups_file.display(), "membership serving");
     crate::shutdown::serve_until_signal("membership", args.grace, move |stop| {
-        serve_groups(listener, groups, stop)
+        serve_groups(listener, groups, options, stop)
     })
     .await
 }

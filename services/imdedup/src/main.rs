@@ -3,10 +3,12 @@
 
 mod authz;
 mod backends;
+mod certs;
 mod demo;
 mod dev;
 mod services;
 mod shutdown;
+mod tls;
 
 use clap::{Parser, Subcommand};
 use imdedup_core::telemetry;
@@ -50,6 +52,9 @@ enum Command {
     /// Answer group membership (`imdedup.v1.MembershipService`) from a
     /// groups file, for gateways started with --membership-url.
     Membership(authz::MembershipArgs),
+    /// Write a throwaway CA and a certificate per service, for running the
+    /// services by hand over mutual TLS (local runs only).
+    Certs(certs::CertsArgs),
 }
 
 impl Command {
@@ -64,7 +69,7 @@ impl Command {
             Command::Ingest(_) => Some(("imdedup-ingest", "info")),
             Command::Gateway(_) => Some(("imdedup-gateway", "info")),
             Command::Migrate(_) => Some(("imdedup-migrate", "warn")),
-            Command::Token(_) => None,
+            Command::Token(_) | Command::Certs(_) => None,
             Command::Membership(_) => Some(("imdedup-membership", "info")),
         }
     }
@@ -76,7 +81,7 @@ impl Command {
     /// dev) have nothing to check beyond parsing.
     fn check(&self) -> anyhow::Result<()> {
         match self {
-            Command::Demo(_) | Command::Dev(_) => Ok(()),
+            Command::Demo(_) | Command::Dev(_) | Command::Certs(_) => Ok(()),
             Command::Storage(args) => args.check(),
             Command::Ingest(args) => args.check(),
             Command::Gateway(args) => args.check(),
@@ -107,6 +112,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Gateway(args) => services::gateway(args).await,
         Command::Migrate(args) => services::migrate(args).await,
         Command::Token(args) => services::token(args),
+        Command::Certs(args) => certs::run(args),
         Command::Membership(args) => authz::membership(args).await,
     };
     if let Some(telemetry) = telemetry {

@@ -24,6 +24,8 @@ use imdedup_storage::{ScyllaOptions, ScyllaStore, SqliteOptions, SqliteStore};
 
 use crate::authz::AuthzArgs;
 use crate::backends::{RedisArgs, ScyllaArgs};
+use crate::tls::{InternalTlsArgs, serve_options};
+use imdedup_core::tls::{InternalTls, names};
 use tokio::net::TcpListener;
 
 use crate::shutdown::serve_until_signal;
@@ -53,6 +55,20 @@ pub struct StorageArgs {
     pub grace: Duration,
     #[command(flatten)]
     pub scylla: ScyllaArgs,
+    #[command(flatten)]
+    pub tls: InternalTlsArgs,
+    /// Certificate names (DNS) of the callers accepted over mutual TLS:
+    /// the ingest shards and the gateways.
+    #[arg(
+        long,
+        env = "IMDEDUP_TLS_ALLOW_CLIENTS",
+        value_delimiter = ',',
+        default_values = [names::INGEST, names::GATEWAY]
+    )]
+    pub tls_allow_clients: Vec<String>,
+    /// Answer gRPC server reflection (for grpcurl without the protos).
+    #[arg(long, env = "IMDEDUP_GRPC_REFLECTION")]
+    pub grpc_reflection: bool,
 }
 
 #[derive(Debug, Args)]
@@ -122,6 +138,20 @@ pub struct IngestArgs {
     /// conversations' seqs) instead of going through the storage service.
     #[command(flatten)]
     pub scylla: ScyllaArgs,
+    #[command(flatten)]
+    pub tls: InternalTlsArgs,
+    /// Certificate names (DNS) of the callers accepted over mutual TLS:
+    /// the gateways.
+    #[arg(
+        long,
+        env = "IMDEDUP_TLS_ALLOW_CLIENTS",
+        value_delimiter = ',',
+        default_value = names::GATEWAY
+    )]
+    pub tls_allow_clients: Vec<String>,
+    /// Answer gRPC server reflection (for grpcurl without the protos).
+    #[arg(long, env = "IMDEDUP_GRPC_REFLECTION")]
+    pub grpc_reflection: bool,
 }
 
 #[derive(Debug, Args)]
@@ -165,6 +195,8 @@ pub struct GatewayArgs {
     pub grace: Duration,
     #[command(flatten)]
     pub authz: AuthzArgs,
+    #[command(flatten)]
+    pub tls: InternalTlsArgs,
 }
 
 /// How the gateway verifies phones' tokens.
@@ -323,11 +355,17 @@ impl StorageArgs {
 
     /// `--check-config`: the flags and environment parse and make sense.
     pub fn check(&self) -> anyhow::Result<()> {
-        self.backend().map(drop)
+        self.backend()?;
+        let tls = self.tls.internal_tls()?;
+        serve_options(&tls, &self.tls_allow_clients, self.grpc_reflection)?;
+        Ok(())
     }
 }
 
 pub async fn storage(args: StorageArgs) -> anyhow::Result<()> {
+    let tls = args.tls.internal_tls()?;
+    crate::tls::announce(&tls);
+    let serving = serve_options(&tls, &args.tls_allow_clients, args.grpc_reflection)?;
     let mut registry = Registry::default();
     let store_metrics = StoreMetrics::register(&mut registry);
     let store: Arc<dyn MessageStore> = match args.backend()? {
@@ -350,7 +388,7 @@ pub async fn storage(args: StorageArgs) -> anyhow::Result<()> {
         args.admin_listen,
         registry,
         move |stop| async move {
-            let served = imdedup_storage::serve(listener, Arc::clone(&store), stop).await;
+            let served = imdedup_storage::serve(listener, Arc::clone(&store), serving, stop).await;
             store.drain().await;
             served
         },
@@ -361,6 +399,8 @@ pub async fn storage(args: StorageArgs) -> anyhow::Result<()> {
 /// What the ingest flags say, checked, before any I/O.
 struct IngestPlan {
     shard: String,
+    tls: InternalTls,
+    serving: imdedup_core::server::ServeOptions,
     ownership: Option<Ownership>,
     scylla: Option<ScyllaOptions>,
     redis: Option<RedisWindowOptions>,
@@ -391,8 +431,12 @@ impl IngestArgs {
             }
             scylla
         });
+        let tls = self.tls.internal_tls()?;
+        let serving = serve_options(&tls, &self.tls_allow_clients, self.grpc_reflection)?;
         Ok(IngestPlan {
             shard,
+            tls,
+            serving,
             ownership,
             scylla,
             redis: self.redis.options(self.window_ttl, self.claim_ttl)?,
@@ -403,7 +447,8 @@ impl IngestArgs {
     pub fn check(&self) -> anyhow::Result<()> {
         let plan = self.plan()?;
         if plan.scylla.is_none() {
-            RemoteStore::connect_lazy(&self.storage, self.storage_timeout).context("--storage")?;
+            RemoteStore::connect_lazy(&self.storage, self.storage_timeout, &plan.tls)
+                .context("--storage")?;
         }
         Ok(())
     }
@@ -412,6 +457,8 @@ impl IngestArgs {
 pub async fn ingest(args: IngestArgs) -> anyhow::Result<()> {
     let IngestPlan {
         shard,
+        tls,
+        serving,
         ownership,
         scylla,
         redis,
@@ -427,8 +474,10 @@ pub async fn ingest(args: IngestArgs) -> anyhow::Result<()> {
         None => Arc::new(RemoteStore::connect_lazy(
             &args.storage,
             args.storage_timeout,
+            &tls,
         )?),
     };
+    crate::tls::announce(&tls);
     let window: Arc<dyn RecentWindow> = match redis {
         // Redis down at start does not stop the shard: the window is
         // bypassed (counted) until the connection is made in the background.
@@ -473,7 +522,7 @@ pub async fn ingest(args: IngestArgs) -> anyhow::Result<()> {
         args.admin_listen,
         registry,
         move |stop| async move {
-            let served = imdedup_ingest::serve(listener, dedup, max_body, stop).await;
+            let served = imdedup_ingest::serve(listener, dedup, max_body, serving, stop).await;
             // Inserts whose callers went away still finish both writes.
             draining.drain().await;
             served
@@ -484,11 +533,13 @@ pub async fn ingest(args: IngestArgs) -> anyhow::Result<()> {
 
 impl GatewayArgs {
     fn config(&self) -> anyhow::Result<GatewayConfig> {
+        let internal_tls = self.tls.internal_tls()?;
         Ok(GatewayConfig {
             shards: ShardMap::parse(&self.shards).context("--shards")?,
             storage: self.storage.clone(),
             tokens: self.tokens.verifier()?,
-            authz: self.authz.authorizer()?,
+            authz: self.authz.authorizer(&internal_tls)?,
+            internal_tls,
             send_timeout: self.send_timeout,
             max_body_bytes: self.max_body_bytes,
             max_connections: self.max_connections,
@@ -510,6 +561,7 @@ pub async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
     let metrics = GatewayMetrics::register(&mut registry);
     let gateway = Arc::new(Gateway::new(args.config()?)?.with_metrics(metrics));
     crate::authz::announce(&gateway.config.authz, &args.authz);
+    crate::tls::announce(&gateway.config.internal_tls);
     let listener = bind(args.listen).await?;
     let shards: Vec<_> = gateway.shards.map().names().collect();
     let shard_map = gateway.shards.map().version();
@@ -643,14 +695,56 @@ mod tests {
             "ingest-0=http://a:7200,ingest-1=http://b:7200",
             "--shard-name",
             "ingest-1",
+            "--insecure-plaintext",
         ])
         .unwrap()
         .inner;
         assert!(args.plan().unwrap().ownership.is_some());
-        let alone = Wrap::<IngestArgs>::try_parse_from(["ingest"])
+        let alone = Wrap::<IngestArgs>::try_parse_from(["ingest", "--insecure-plaintext"])
             .unwrap()
             .inner;
         assert!(alone.plan().unwrap().ownership.is_none());
+    }
+
+    #[test]
+    fn internal_hops_need_certificates_or_plaintext_asked_for_by_name() {
+        let ingest = Wrap::<IngestArgs>::try_parse_from(["ingest"])
+            .unwrap()
+            .inner;
+        let err = ingest.plan().err().unwrap().to_string();
+        assert!(
+            err.contains("--tls-cert") && err.contains("--insecure-plaintext"),
+            "{err}"
+        );
+        let storage = Wrap::<StorageArgs>::try_parse_from(["storage"])
+            .unwrap()
+            .inner;
+        assert!(storage.check().is_err());
+
+        // A certificate without its key and CA is a usage error.
+        let half = Wrap::<IngestArgs>::try_parse_from(["ingest", "--tls-cert", "/x/tls.crt"]);
+        assert!(half.is_err());
+        // Files that do not exist are named in the error.
+        let missing = Wrap::<StorageArgs>::try_parse_from([
+            "storage",
+            "--tls-cert",
+            "/nonexistent/tls.crt",
+            "--tls-key",
+            "/nonexistent/tls.key",
+            "--tls-ca",
+            "/nonexistent/ca.crt",
+        ])
+        .unwrap()
+        .inner;
+        let err = format!("{:#}", missing.check().err().unwrap());
+        assert!(err.contains("/nonexistent/tls.crt"), "{err}");
+        // The servers check their callers by these names unless told.
+        assert_eq!(
+            storage.tls_allow_clients,
+            ["imdedup-ingest", "imdedup-gateway"]
+        );
+        assert_eq!(ingest.tls_allow_clients, ["imdedup-gateway"]);
+        assert!(!storage.grpc_reflection && !ingest.grpc_reflection);
     }
 
     #[test]

@@ -12,7 +12,7 @@ pub mod window;
 
 use std::sync::Arc;
 
-use imdedup_core::server::serve_grpc;
+use imdedup_core::server::{ServeOptions, serve_grpc};
 use imdedup_proto::v1::ingest_service_server::SERVICE_NAME;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -24,14 +24,16 @@ pub use grpc::IngestGrpc;
 pub use redis_window::{RedisWindow, RedisWindowOptions};
 pub use window::{MemoryWindow, MemoryWindowOptions};
 
-/// Serve `dedup` as `imdedup.v1.IngestService` (plus health and reflection)
-/// on `listener` until `shutdown` is cancelled.
+/// Serve `dedup` as `imdedup.v1.IngestService` (plus health, and
+/// reflection if `options` say so) on `listener` until `shutdown` is
+/// cancelled.
 pub async fn serve(
     listener: TcpListener,
     dedup: Arc<Dedup>,
     max_body_bytes: usize,
+    options: ServeOptions,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let routes = Routes::new(IngestGrpc::new(dedup, max_body_bytes).into_server());
-    serve_grpc(listener, &[SERVICE_NAME], routes, 4096, shutdown).await
+    serve_grpc(listener, &[SERVICE_NAME], routes, 4096, options, shutdown).await
 }

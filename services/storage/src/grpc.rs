@@ -123,15 +123,7 @@ async fn insert(
     store: &dyn MessageStore,
     request: pb::InsertOnceRequest,
 ) -> Result<pb::InsertOnceResponse, Error> {
-    let store_copy = request.store_copy;
     let message = convert::insert_request(request, MAX_STORED_BODY_BYTES)?;
-    if store_copy {
-        let row = store.insert_copy(message).await?;
-        return Ok(pb::InsertOnceResponse {
-            inserted: true,
-            message: Some(row.into()),
-        });
-    }
     let (inserted, row) = match store.insert_once(message).await? {
         Insert::Stored(row) => (true, row),
         Insert::AlreadyStored(row) => (false, row),

@@ -9,7 +9,10 @@ pub mod sqlite;
 
 use std::sync::Arc;
 
-use imdedup_core::{server::serve_grpc, store::MessageStore};
+use imdedup_core::{
+    server::{ServeOptions, serve_grpc},
+    store::MessageStore,
+};
 use imdedup_proto::v1::storage_service_server::SERVICE_NAME;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -19,13 +22,15 @@ pub use grpc::StorageGrpc;
 pub use scylla::{ScyllaOptions, ScyllaStore};
 pub use sqlite::{SqliteOptions, SqliteStore};
 
-/// Serve `store` as `imdedup.v1.StorageService` (plus health and reflection)
-/// on `listener` until `shutdown` is cancelled.
+/// Serve `store` as `imdedup.v1.StorageService` (plus health, and
+/// reflection if `options` say so) on `listener` until `shutdown` is
+/// cancelled.
 pub async fn serve(
     listener: TcpListener,
     store: Arc<dyn MessageStore>,
+    options: ServeOptions,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let routes = Routes::new(StorageGrpc::new(store).into_server());
-    serve_grpc(listener, &[SERVICE_NAME], routes, 1024, shutdown).await
+    serve_grpc(listener, &[SERVICE_NAME], routes, 1024, options, shutdown).await
 }

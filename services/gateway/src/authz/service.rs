@@ -16,6 +16,7 @@ use async_trait::async_trait;
 use imdedup_core::{
     Error,
     model::{ConversationId, Sender},
+    tls::{self, InternalTls},
 };
 use imdedup_proto::v1::{
     CheckMembershipRequest, CheckMembershipResponse,
@@ -86,8 +87,8 @@ pub struct MembershipService {
 }
 
 impl MembershipService {
-    /// Connects on first use and reconnects by itself.
-    pub fn connect_lazy(options: &ServiceOptions) -> Result<Self, Error> {
+    /// Connects on first use (over `tls`) and reconnects by itself.
+    pub fn connect_lazy(options: &ServiceOptions, tls: &InternalTls) -> Result<Self, Error> {
         let endpoint = Endpoint::from_shared(options.url.clone())
             .map_err(|e| Error::invalid(format!("bad membership url {:?}: {e}", options.url)))?
             .connect_timeout(options.timeout.max(Duration::from_secs(1)))
@@ -100,7 +101,7 @@ impl MembershipService {
             })
             .build();
         Ok(Self {
-            client: MembershipServiceClient::new(endpoint.connect_lazy()),
+            client: MembershipServiceClient::new(tls::channel(endpoint, tls)?),
             timeout: options.timeout,
             answers,
         })
@@ -167,13 +168,15 @@ impl membership_service_server::MembershipService for GroupsServer {
     }
 }
 
-/// Serve [`GroupsServer`] (plus health and reflection) on `listener` until
-/// `shutdown` is cancelled.
+/// Serve [`GroupsServer`] (plus health, and reflection if `options` say so)
+/// on `listener` until `shutdown` is cancelled.
 pub async fn serve_groups(
     listener: tokio::net::TcpListener,
     groups: GroupsFile,
+    options: imdedup_core::server::ServeOptions,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let routes = tonic::service::Routes::new(GroupsServer::new(groups).into_server());
-    imdedup_core::server::serve_grpc(listener, &[SERVICE_NAME], routes, 1024, shutdown).await
+    imdedup_core::server::serve_grpc(listener, &[SERVICE_NAME], routes, 1024, options, shutdown)
+        .await
 }
