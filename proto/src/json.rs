@@ -85,6 +85,10 @@ pub struct ErrorJson {
     /// `id_reused`: the seq of the message stored under this ID.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seq: Option<u64>,
+    /// `overloaded`, `unavailable`: wait at least this many ms before
+    /// resending.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after_ms: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

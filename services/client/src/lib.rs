@@ -68,6 +68,9 @@ pub struct ErrorReply {
     /// `id_reused`: the server id and seq of the message already stored
     /// under this ID.
     pub original: Option<(u64, u64)>,
+    /// `overloaded`, `unavailable`: the server asks to wait this long
+    /// before resending.
+    pub retry_after: Option<std::time::Duration>,
 }
 
 /// One stored message in a history page.
@@ -481,6 +484,9 @@ fn parse_json(bytes: &[u8]) -> Option<Reply> {
             code: e.code,
             retryable: e.retryable,
             message: e.message,
+            retry_after: e
+                .retry_after_ms
+                .map(|ms| std::time::Duration::from_millis(u64::from(ms))),
         }),
         ServerJson::History(h) => Reply::History(HistoryPage {
             reference: h.reference,
@@ -545,6 +551,8 @@ fn parse_protobuf(bytes: &[u8]) -> Option<Reply> {
             code: code_name(e.code),
             retryable: e.retryable,
             message: e.message,
+            retry_after: (e.retry_after_ms > 0)
+                .then(|| std::time::Duration::from_millis(u64::from(e.retry_after_ms))),
         }),
         server_frame::Kind::History(h) => Reply::History(HistoryPage {
             reference: (!h.r#ref.is_empty()).then_some(h.r#ref),

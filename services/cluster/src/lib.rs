@@ -22,7 +22,7 @@ use imdedup_core::{
     tls::{InternalTls, names},
     token::{TokenKey, TokenVerifier},
 };
-use imdedup_gateway::{Gateway, GatewayConfig, authz::Authorizer};
+use imdedup_gateway::{Gateway, GatewayConfig, authz::Authorizer, limits::Limits};
 use imdedup_ingest::{
     Dedup, DedupCounts, MemoryWindow, MemoryWindowOptions, RedisWindow, RedisWindowOptions,
 };
@@ -74,6 +74,8 @@ pub struct ClusterOptions {
     pub internal_tls: InternalTls,
     /// The gRPC servers answer server reflection.
     pub reflection: bool,
+    /// What one phone, or all of them, may cost the gateway.
+    pub gateway_limits: Limits,
 }
 
 impl ClusterOptions {
@@ -93,6 +95,7 @@ impl ClusterOptions {
             authz: Authorizer::direct_only(),
             internal_tls: InternalTls::Plaintext,
             reflection: false,
+            gateway_limits: Limits::default(),
         }
     }
 
@@ -290,6 +293,7 @@ impl LocalCluster {
                 max_body_bytes: options.max_body_bytes,
                 max_connections: 10_000,
                 max_in_flight_per_connection: 256,
+                limits: options.gateway_limits.clone(),
                 clock: Arc::clone(&options.clock),
             })?
             .with_metrics(gateway_metrics),

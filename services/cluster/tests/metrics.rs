@@ -1,48 +1,11 @@
 //! The admin ports of a whole local cluster, scraped over real HTTP after
 //! real sends: what a Prometheus server would see.
 
-use std::net::SocketAddr;
-
 mod common;
 
-use common::{Kind, start};
+use common::{Kind, http_get as get, start};
 use imdedup_client::Encoding;
 use imdedup_core::metrics::sum_samples;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-struct HttpReply {
-    status: u16,
-    content_type: String,
-    body: String,
-}
-
-/// A hand-written HTTP/1.1 GET, as a scraper sends it.
-async fn get(addr: SocketAddr, path: &str) -> HttpReply {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).await.unwrap();
-    let mut raw = String::new();
-    stream.read_to_string(&mut raw).await.unwrap();
-    let (head, body) = raw.split_once("\r\n\r\n").expect("an HTTP reply");
-    let status = head
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .expect("a status code");
-    let content_type = head
-        .lines()
-        .find_map(|l| {
-            let (name, value) = l.split_once(':')?;
-            name.eq_ignore_ascii_case("content-type")
-                .then(|| value.trim().to_owned())
-        })
-        .unwrap_or_default();
-    HttpReply {
-        status,
-        content_type,
-        body: body.to_owned(),
-    }
-}
 
 async fn every_service_exposes_what_the_sends_did(kind: Kind) {
     let Some(h) = start(kind).await else { return };

@@ -202,8 +202,16 @@ impl From<Error> for pb::Error {
             message: e.message().to_owned(),
             original_server_id: e.original().map_or(0, |r| r.server_id),
             original_seq: e.original().map_or(0, |r| r.seq),
+            retry_after_ms: retry_after_ms(&e),
         }
     }
+}
+
+/// An error's retry-after hint in whole ms (0: none).
+pub fn retry_after_ms(e: &Error) -> u32 {
+    e.retry_after().map_or(0, |d| {
+        u32::try_from(d.as_millis()).unwrap_or(u32::MAX).max(1)
+    })
 }
 
 impl From<pb::Error> for Error {
@@ -213,7 +221,11 @@ impl From<pb::Error> for Error {
             server_id: e.original_server_id,
             seq: e.original_seq,
         });
-        Error::new(kind, e.message).with_original(original)
+        let error = Error::new(kind, e.message).with_original(original);
+        match e.retry_after_ms {
+            0 => error,
+            ms => error.with_retry_after(std::time::Duration::from_millis(u64::from(ms))),
+        }
     }
 }
 

@@ -9,7 +9,7 @@
 //! (`Unavailable`, `Overloaded`) or may be (`MaybeStored`,
 //! `DeadlineExceeded`, `Internal`), where only the resend settles it.
 
-use std::fmt;
+use std::{fmt, time::Duration};
 
 use tonic::{Code, Status};
 
@@ -131,7 +131,14 @@ pub struct Error {
     message: String,
     /// For `IdReused`: the receipt of the message stored under the ID.
     original: Option<Receipt>,
+    /// For `Overloaded` and `Unavailable`: how long the caller should wait
+    /// before trying again, in ms (0: no hint). Kept small: errors travel
+    /// in every `Result` of the hot path.
+    retry_after_ms: u32,
 }
+
+/// The gRPC metadata key that carries [`Error::retry_after`], in ms.
+pub const RETRY_AFTER_METADATA: &str = "imdedup-retry-after-ms";
 
 impl Error {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
@@ -139,6 +146,7 @@ impl Error {
             kind,
             message: message.into(),
             original: None,
+            retry_after_ms: 0,
         }
     }
 
@@ -168,6 +176,25 @@ impl Error {
     /// For `IdReused`: the receipt of the message stored under the ID.
     pub fn original(&self) -> Option<Receipt> {
         self.original
+    }
+
+    /// The same error, telling the caller to wait `after` before retrying.
+    /// (Whole ms, at least 1.)
+    pub fn with_retry_after(mut self, after: Duration) -> Self {
+        self.retry_after_ms = u32::try_from(after.as_millis())
+            .unwrap_or(u32::MAX)
+            .max(1);
+        self
+    }
+
+    /// How long to wait before retrying, when the server said.
+    pub fn retry_after(&self) -> Option<Duration> {
+        (self.retry_after_ms > 0).then(|| Duration::from_millis(u64::from(self.retry_after_ms)))
+    }
+
+    /// `Overloaded`, with a hint of when to try again.
+    pub fn overloaded(message: impl Into<String>, retry_after: Duration) -> Self {
+        Self::new(ErrorKind::Overloaded, message).with_retry_after(retry_after)
     }
 
     pub fn invalid(message: impl Into<String>) -> Self {
@@ -205,16 +232,32 @@ impl Error {
 
 impl From<Error> for Status {
     fn from(err: Error) -> Self {
-        Status::new(err.kind.grpc_code(), err.message)
+        let mut status = Status::new(err.kind.grpc_code(), err.message);
+        if err.retry_after_ms > 0 {
+            status
+                .metadata_mut()
+                .insert(RETRY_AFTER_METADATA, err.retry_after_ms.into());
+        }
+        status
     }
 }
 
 impl From<Status> for Error {
     fn from(status: Status) -> Self {
-        Self::new(
+        let error = Self::new(
             ErrorKind::from_grpc_code(status.code()),
             status.message().to_owned(),
-        )
+        );
+        let after = status
+            .metadata()
+            .get(RETRY_AFTER_METADATA)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok())
+            .map(Duration::from_millis);
+        match after {
+            Some(after) => error.with_retry_after(after),
+            None => error,
+        }
     }
 }
 
@@ -263,6 +306,11 @@ mod tests {
             let back = Error::from(status);
             assert_eq!(back.kind(), kind);
             assert_eq!(back.message(), "boom");
+            assert_eq!(back.retry_after(), None);
         }
+        let busy = Error::overloaded("busy", Duration::from_millis(250));
+        let back = Error::from(Status::from(busy));
+        assert_eq!(back.kind(), ErrorKind::Overloaded);
+        assert_eq!(back.retry_after(), Some(Duration::from_millis(250)));
     }
 }

@@ -157,7 +157,21 @@ pub struct GatewayMetrics {
     send_errors: Family<CodeLabels, Counter>,
     ack_duration: Histogram,
     shard_up: Family<ShardLabels, Gauge>,
+    limited: Family<ReasonLabels, Counter>,
 }
+
+/// Why the gateway refused or ended something to protect itself (the
+/// `reason` label of `imdedup_gateway_limited_total`).
+pub const GATEWAY_LIMITS: [&str; 8] = [
+    "connections",
+    "unauthenticated",
+    "upgrade_timeout",
+    "user_connections",
+    "user_send_rate",
+    "in_flight",
+    "history_pulls",
+    "idle",
+];
 
 impl Default for GatewayMetrics {
     fn default() -> Self {
@@ -168,6 +182,7 @@ impl Default for GatewayMetrics {
             send_errors: Family::default(),
             ack_duration: duration_histogram(),
             shard_up: Family::default(),
+            limited: Family::default(),
         }
     }
 }
@@ -212,11 +227,30 @@ impl GatewayMetrics {
             }));
         }
         registry.register(
+            "imdedup_gateway_limited",
+            "Connections refused or closed and sends or pulls refused by a gateway limit, by reason",
+            m.limited.clone(),
+        );
+        for reason in GATEWAY_LIMITS {
+            drop(m.limited.get_or_create(&ReasonLabels { reason }));
+        }
+        registry.register(
             "imdedup_gateway_shard_up",
             "1 when the link to the ingest shard works, 0 when it failed last",
             m.shard_up.clone(),
         );
         m
+    }
+
+    /// A gateway limit refused or ended something (one of
+    /// [`GATEWAY_LIMITS`]).
+    pub fn limited(&self, reason: &'static str) {
+        self.limited.get_or_create(&ReasonLabels { reason }).inc();
+    }
+
+    /// How many times `reason` was counted.
+    pub fn limited_count(&self, reason: &'static str) -> u64 {
+        self.limited.get_or_create(&ReasonLabels { reason }).get()
     }
 
     /// One more open connection, until the guard is dropped.

@@ -1,13 +1,17 @@
 //! One phone connection: frames in, ACKs and pages out, several sends in
 //! flight at once.
 
-use std::{collections::HashMap, sync::Arc, time::Instant};
+use std::{
+    collections::HashMap,
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use axum::extract::ws::{CloseFrame, Message, WebSocket, close_code};
 use futures_util::{SinkExt, StreamExt};
 use imdedup_core::{
     Error, ErrorKind, convert,
-    model::{ConversationId, HistoryQuery, Sender},
+    model::{ConversationId, HistoryQuery, Sender, StoredMessage},
 };
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
@@ -58,6 +62,15 @@ pub async fn run(
     });
 
     let in_flight = Arc::new(Semaphore::new(gateway.config.max_in_flight_per_connection));
+    let limits = &gateway.config.limits;
+    let pulls = Arc::new(Semaphore::new(limits.max_pulls_per_connection.max(1)));
+    // A quiet connection is pinged; one that answers nothing at all, not
+    // even the pings, is closed so a dead phone frees its slot.
+    let mut ping = tokio::time::interval(limits.ping_interval);
+    ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ping.reset();
+    let idle_timeout = limits.idle_timeout;
+    let mut last_heard = tokio::time::Instant::now();
     let tasks = TaskTracker::new();
     let mut order = SendOrder::default();
     // How the connection ends, when the gateway ends it.
@@ -68,8 +81,19 @@ pub async fn run(
                 close = Some(close_frame(close_code::AWAY, "server shutting down; reconnect"));
                 break;
             }
+            () = tokio::time::sleep_until(last_heard + idle_timeout) => {
+                gateway.metrics().limited("idle");
+                close = Some(close_frame(close_code::AWAY, "idle; reconnect"));
+                break;
+            }
+            _ = ping.tick() => {
+                // Never waits: a full queue means replies are flowing.
+                let _ = out.try_send(Message::Ping(Default::default()));
+                continue;
+            }
             next = stream.next() => next,
         };
+        last_heard = tokio::time::Instant::now();
         let (encoding, bytes) = match next {
             Some(Ok(Message::Text(text))) => (Encoding::Json, text.as_bytes().to_vec()),
             Some(Ok(Message::Binary(bytes))) => (Encoding::Protobuf, bytes.to_vec()),
@@ -132,6 +156,41 @@ pub async fn run(
                 continue;
             }
         };
+        // Limits of the user and the gateway: refused at once, with when
+        // to come back, rather than queued.
+        let admitted = match &inbound {
+            Inbound::Send(_) => gateway.admit_send(&session.sender),
+            Inbound::History(_) => Arc::clone(&pulls).try_acquire_owned().map_err(|_| {
+                gateway.metrics().limited("history_pulls");
+                Error::overloaded(
+                    "too many history pulls in flight on this connection; pull again after the last page arrives",
+                    PULL_RETRY_AFTER,
+                )
+            }),
+        };
+        // Held until answered: a send's share of the gateway's in-flight
+        // cap, or a pull's of the connection's.
+        let admitted = match admitted {
+            Ok(admitted) => admitted,
+            Err(error) => {
+                let to = match &inbound {
+                    Inbound::Send(cmd) => ReplyTo::send(cmd),
+                    Inbound::History(cmd) => ReplyTo::history(cmd),
+                };
+                if to.reference.is_none() {
+                    gateway
+                        .metrics()
+                        .send_answered(Err(error.kind()), read_at.elapsed());
+                }
+                let _ = out
+                    .send(message(frames::encode(
+                        encoding,
+                        Outbound::Error { to, error },
+                    )))
+                    .await;
+                continue;
+            }
+        };
         // Waiting here stops reading: a phone cannot queue unbounded work.
         let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else {
             break;
@@ -172,7 +231,7 @@ pub async fn run(
                     let _ = out.send(message(frames::encode(encoding, reply))).await;
                 }
             }
-            drop(permit);
+            drop((permit, admitted));
         });
     }
     // Every frame read so far is answered before the connection closes.
@@ -184,6 +243,10 @@ pub async fn run(
     drop(out);
     let _ = writer.await;
 }
+
+/// How long a phone is asked to wait before another pull, when it has too
+/// many in flight.
+const PULL_RETRY_AFTER: Duration = Duration::from_millis(200);
 
 fn close_frame(code: u16, reason: &'static str) -> CloseFrame {
     CloseFrame {
@@ -369,13 +432,31 @@ async fn history(gateway: &Gateway, sender: &Sender, cmd: HistoryCmd) -> Outboun
         Err(e) => Err(e),
     };
     match result {
-        Ok(messages) => Outbound::History {
-            reference: cmd.reference,
-            conversation: cmd.conversation,
-            messages,
-        },
+        Ok(mut messages) => {
+            keep_within(&mut messages, gateway.config.limits.max_history_page_bytes);
+            Outbound::History {
+                reference: cmd.reference,
+                conversation: cmd.conversation,
+                messages,
+            }
+        }
         Err(error) => Outbound::Error { to, error },
     }
+}
+
+/// Cut a page after the messages whose bodies fit in `max_bytes` (keeping
+/// at least one): the phone pages on from the last seq it got, and only an
+/// empty page ends the history.
+fn keep_within(messages: &mut Vec<StoredMessage>, max_bytes: usize) {
+    let mut total = 0;
+    let fits = messages
+        .iter()
+        .take_while(|m| {
+            total += m.body.len();
+            total <= max_bytes
+        })
+        .count();
+    messages.truncate(fits.max(1));
 }
 
 #[cfg(test)]

@@ -271,6 +271,8 @@ fn to_json(frame: Outbound) -> ServerJson {
                 message: error.message().to_owned(),
                 server_id: error.original().map(|r| r.server_id.to_string()),
                 seq: error.original().map(|r| r.seq),
+                retry_after_ms: Some(imdedup_core::convert::retry_after_ms(&error))
+                    .filter(|&ms| ms > 0),
             })
         }
         Outbound::History {
@@ -320,6 +322,7 @@ fn to_protobuf(frame: Outbound) -> pb::ServerFrame {
             message: error.message().to_owned(),
             original_server_id: error.original().map_or(0, |r| r.server_id),
             original_seq: error.original().map_or(0, |r| r.seq),
+            retry_after_ms: imdedup_core::convert::retry_after_ms(&error),
         }),
         Outbound::History {
             reference,

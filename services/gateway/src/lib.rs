@@ -5,22 +5,24 @@
 pub mod authz;
 pub mod connection;
 pub mod frames;
+pub mod limits;
+pub mod listener;
 pub mod shards;
 
 use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use axum::{
     Json, Router,
-    extract::{Query, State, WebSocketUpgrade},
+    extract::{ConnectInfo, Query, State, WebSocketUpgrade},
     http::{HeaderMap, StatusCode, header},
     response::{IntoResponse, Response},
     routing::get,
-    serve::ListenerExt,
 };
 use imdedup_core::{
     Error,
     clock::SharedClock,
     metrics::GatewayMetrics,
+    model::Sender,
     model::{HistoryQuery, StoredMessage},
     remote_store::RemoteStore,
     routing::ShardMap,
@@ -28,7 +30,13 @@ use imdedup_core::{
     tls::InternalTls,
     token::TokenVerifier,
 };
+use limits::{Limits, SendRate, UserConnections};
+use listener::{Admission, GuardedListener};
+use tokio::sync::OwnedSemaphorePermit;
 use tokio::{net::TcpListener, sync::Semaphore};
+
+/// How long a phone is asked to wait when the gateway as a whole is busy.
+pub(crate) const BUSY_RETRY_AFTER: Duration = Duration::from_millis(500);
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 pub use shards::Shards;
@@ -55,6 +63,8 @@ pub struct GatewayConfig {
     pub max_body_bytes: usize,
     pub max_connections: usize,
     pub max_in_flight_per_connection: usize,
+    /// What one client, or all of them, may cost.
+    pub limits: Limits,
     pub clock: SharedClock,
 }
 
@@ -64,6 +74,10 @@ pub struct Gateway {
     pub shards: Shards,
     storage: RemoteStore,
     connections: Arc<Semaphore>,
+    user_connections: UserConnections,
+    send_rate: SendRate,
+    /// Sends in flight in the whole gateway.
+    sends_in_flight: Arc<Semaphore>,
     metrics: GatewayMetrics,
 }
 
@@ -81,6 +95,12 @@ impl Gateway {
                 &config.internal_tls,
             )?,
             connections: Arc::new(Semaphore::new(config.max_connections)),
+            user_connections: UserConnections::new(config.limits.max_connections_per_user),
+            send_rate: SendRate::new(
+                config.limits.user_sends_per_second,
+                config.limits.user_send_burst,
+            ),
+            sends_in_flight: Arc::new(Semaphore::new(config.limits.max_sends_in_flight.max(1))),
             metrics: GatewayMetrics::default(),
             config,
         })
@@ -99,6 +119,28 @@ impl Gateway {
 
     pub async fn history(&self, query: &HistoryQuery) -> Result<Vec<StoredMessage>, Error> {
         self.storage.history(query).await
+    }
+
+    /// Admit one send of `sender`: within the user's rate and the
+    /// gateway's in-flight cap, or refused with `overloaded` and when to
+    /// try again. The permit is held until the send is answered.
+    pub(crate) fn admit_send(&self, sender: &Sender) -> Result<OwnedSemaphorePermit, Error> {
+        if let Err(wait) = self.send_rate.check(sender) {
+            self.metrics.limited("user_send_rate");
+            return Err(Error::overloaded(
+                "too many sends from this user; not stored: resend with the same id later",
+                wait.max(Duration::from_millis(1)),
+            ));
+        }
+        Arc::clone(&self.sends_in_flight)
+            .try_acquire_owned()
+            .map_err(|_| {
+                self.metrics.limited("in_flight");
+                Error::overloaded(
+                    "the gateway is busy; not stored: resend with the same id after a pause",
+                    BUSY_RETRY_AFTER,
+                )
+            })
     }
 
     /// Connections open now.
@@ -153,6 +195,7 @@ fn bearer_token<'a>(headers: &'a HeaderMap, query: &'a HashMap<String, String>) 
 
 async fn upgrade(
     State(state): State<AppState>,
+    ConnectInfo(admission): ConnectInfo<Admission>,
     headers: HeaderMap,
     Query(query): Query<HashMap<String, String>>,
     ws: WebSocketUpgrade,
@@ -185,11 +228,26 @@ async fn upgrade(
         }
     };
     let Ok(slot) = Arc::clone(&gateway.connections).try_acquire_owned() else {
+        gateway.metrics.limited("connections");
         return refuse(
             StatusCode::SERVICE_UNAVAILABLE,
-            Error::new(imdedup_core::ErrorKind::Overloaded, "too many connections"),
+            Error::overloaded("too many connections", BUSY_RETRY_AFTER),
         );
     };
+    let Some(user_slot) = gateway.user_connections.open(&verified.sender) else {
+        gateway.metrics.limited("user_connections");
+        return refuse(
+            StatusCode::TOO_MANY_REQUESTS,
+            Error::overloaded(
+                format!(
+                    "this user has {} connections open already; close one first",
+                    gateway.config.limits.max_connections_per_user
+                ),
+                Duration::from_secs(5),
+            ),
+        );
+    };
+    admission.authenticated();
     let session = connection::Session {
         sender: verified.sender,
         expires_at_unix: verified.expires_at_unix,
@@ -202,7 +260,7 @@ async fn upgrade(
         .on_upgrade(move |socket| {
             tracker.track_future(async move {
                 connection::run(socket, gateway, session, shutdown).await;
-                drop(slot);
+                drop((slot, user_slot));
             })
         })
 }
@@ -216,20 +274,25 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
     let tracker = TaskTracker::new();
+    let limits = gateway.config.limits.clone();
+    let metrics = gateway.metrics.clone();
     let app = router(AppState {
         gateway,
         tracker: tracker.clone(),
         shutdown: shutdown.clone(),
     });
-    // ACKs are small and latency-bound: never hold them for Nagle.
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "cannot set TCP_NODELAY");
-        }
-    });
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown.cancelled_owned())
-        .await?;
+    let listener = GuardedListener::new(
+        listener,
+        limits.max_unauthenticated,
+        limits.upgrade_timeout,
+        metrics,
+    );
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<Admission>(),
+    )
+    .with_graceful_shutdown(shutdown.cancelled_owned())
+    .await?;
     tracker.close();
     tracker.wait().await;
     Ok(())

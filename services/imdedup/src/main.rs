@@ -6,6 +6,7 @@ mod backends;
 mod certs;
 mod demo;
 mod dev;
+mod limits;
 mod services;
 mod shutdown;
 mod tls;

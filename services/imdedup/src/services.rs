@@ -196,6 +196,8 @@ pub struct GatewayArgs {
     #[command(flatten)]
     pub authz: AuthzArgs,
     #[command(flatten)]
+    pub limits: crate::limits::LimitArgs,
+    #[command(flatten)]
     pub tls: InternalTlsArgs,
 }
 
@@ -544,6 +546,7 @@ impl GatewayArgs {
             max_body_bytes: self.max_body_bytes,
             max_connections: self.max_connections,
             max_in_flight_per_connection: self.max_in_flight.max(1),
+            limits: self.limits.limits(),
             clock: Arc::new(SystemClock),
         })
     }

@@ -236,3 +236,53 @@ macro_rules! on_both_backends {
         }
     };
 }
+
+pub struct HttpReply {
+    pub status: u16,
+    pub content_type: String,
+    pub body: String,
+}
+
+/// A hand-written HTTP/1.1 GET, as a scraper sends it.
+pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> HttpReply {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw).await.unwrap();
+    let (head, body) = raw.split_once("\r\n\r\n").expect("an HTTP reply");
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .expect("a status code");
+    let content_type = head
+        .lines()
+        .find_map(|l| {
+            let (name, value) = l.split_once(':')?;
+            name.eq_ignore_ascii_case("content-type")
+                .then(|| value.trim().to_owned())
+        })
+        .unwrap_or_default();
+    HttpReply {
+        status,
+        content_type,
+        body: body.to_owned(),
+    }
+}
+
+/// The sum of `name`'s samples with `labels` on the admin port of `role`.
+pub async fn metric(
+    cluster: &LocalCluster,
+    role: &str,
+    name: &str,
+    labels: &[(&str, &str)],
+) -> Option<f64> {
+    let addr = cluster
+        .admin_addrs()
+        .into_iter()
+        .find_map(|(r, addr)| (r == role).then_some(addr))
+        .expect("a service with that role");
+    imdedup_core::metrics::sum_samples(&http_get(addr, "/metrics").await.body, name, labels)
+}
