@@ -6,7 +6,8 @@
 # Steps, one PASS/FAIL line each (exit status 1 if any FAIL):
 #   etcd + kube-apiserver start (temp dir, free loopback ports, RBAC, static-token admin user,
 #   a kubeconfig written to the temp dir), readiness; prometheus-operator CRDs (ServiceMonitor,
-#   PrometheusRule, PodMonitor) applied with `kubectl apply --server-side`; a namespace;
+#   PrometheusRule, PodMonitor) and cert-manager CRDs (Certificate, Issuer, ClusterIssuer: the
+#   chart's internal TLS) applied with `kubectl apply --server-side`; a namespace;
 #   `helm template` of the chart with default values and with each ci/*.yaml, each sent through
 #   `kubectl apply --dry-run=server --validate=strict` (the server's schema rejects unknown and
 #   duplicate fields, wrong types, invalid names, ...); then helm install, helm upgrade with a
@@ -28,7 +29,11 @@
 #   UPGRADE_CHECK ("deployment -l app.kubernetes.io/component=gateway {.items[0].spec.replicas} 3"):
 #     kind, selector, jsonpath and expected value after upgrade (and != before),
 #   KUBE_VERSION / IMDEDUP_KUBE_CACHE (see kube/build.sh), HELM_VERSION (v3.22.0),
-#   PROM_OPERATOR_VERSION (v0.94.1), HOOK_MODE (simulate|skip), HOOK_TIMEOUT (2m).
+#   PROM_OPERATOR_VERSION (v0.94.1), CERT_MANAGER_VERSION (v1.21.2), HOOK_MODE (simulate|skip),
+#   HOOK_TIMEOUT (2m).
+#
+# No cert-manager controller runs here: the Certificates and Issuers are validated and stored, never
+# issued (so the pods could not start anyway; none does here).
 set -uo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -39,6 +44,8 @@ RELEASE="${RELEASE:-imdedup}"
 HELM_VERSION="${HELM_VERSION:-v3.22.0}"
 PROM_OPERATOR_VERSION="${PROM_OPERATOR_VERSION:-v0.94.1}"
 PROM_CRDS="${PROM_CRDS:-servicemonitors prometheusrules podmonitors}"
+CERT_MANAGER_VERSION="${CERT_MANAGER_VERSION:-v1.21.2}"
+CERT_MANAGER_CRDS="${CERT_MANAGER_CRDS:-certificates issuers clusterissuers}"
 HOOK_MODE="${HOOK_MODE:-simulate}"
 HOOK_TIMEOUT="${HOOK_TIMEOUT:-2m}"
 UPGRADE_SET="${UPGRADE_SET:-gateway.replicas=3,config.logLevel=debug}"
@@ -194,13 +201,30 @@ apply_crds() {
 }
 step "prometheus-operator $PROM_OPERATOR_VERSION CRDs ($PROM_CRDS) applied --server-side and established" apply_crds \
   || die "cannot validate monitoring objects without the CRDs"
+# cert-manager's CRDs as controller-gen writes them (deploy/crds/ of its module: the same schemas
+# as its Helm chart's templated copies, without the template lines).
+apply_cert_manager_crds() {
+  local dir files=() c
+  dir="$(cd /tmp && go mod download -json "github.com/cert-manager/cert-manager@$CERT_MANAGER_VERSION" \
+        | python3 -c 'import json,sys; print(json.load(sys.stdin).get("Dir",""))')" \
+    || { echo "go mod download of cert-manager@$CERT_MANAGER_VERSION failed"; return 1; }
+  for c in $CERT_MANAGER_CRDS; do files+=(-f "$dir/deploy/crds/cert-manager.io_$c.yaml"); done
+  "$KUBECTL" apply --server-side --field-manager=apiserver-check "${files[@]}" || return 1
+  for c in $CERT_MANAGER_CRDS; do
+    "$KUBECTL" wait --for condition=established --timeout=60s "crd/$c.cert-manager.io" || return 1
+  done
+}
+step "cert-manager $CERT_MANAGER_VERSION CRDs ($CERT_MANAGER_CRDS) applied --server-side and established" apply_cert_manager_crds \
+  || die "cannot validate the internal TLS objects without the CRDs"
 step "namespace $NAMESPACE created" "$KUBECTL" create namespace "$NAMESPACE" || die "namespace"
 
 # --- server-side validation of renders -------------------------------------------------------------------
 SERVER_VERSION="$("$KUBECTL" version -o json 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin)["serverVersion"]["gitVersion"])' 2>/dev/null || echo)"
 # helm template does not ask the cluster for capabilities: tell it what the cluster has
 API_VERSION_ARGS=(--api-versions monitoring.coreos.com/v1 --api-versions monitoring.coreos.com/v1/ServiceMonitor
-                  --api-versions monitoring.coreos.com/v1/PrometheusRule --api-versions monitoring.coreos.com/v1/PodMonitor)
+                  --api-versions monitoring.coreos.com/v1/PrometheusRule --api-versions monitoring.coreos.com/v1/PodMonitor
+                  --api-versions cert-manager.io/v1 --api-versions cert-manager.io/v1/Certificate
+                  --api-versions cert-manager.io/v1/Issuer)
 [ -z "$SERVER_VERSION" ] || API_VERSION_ARGS+=(--kube-version "$SERVER_VERSION")
 
 if grep -qE '^dependencies:' "$CHART/Chart.yaml" && [ ! -d "$CHART/charts" ]; then

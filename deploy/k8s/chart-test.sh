@@ -5,7 +5,8 @@
 #     and each k8s/examples/imdedup-*.yaml
 #   - helm template of each of them, every render validated by kubeconform
 #     -strict against the offline Kubernetes schemas (the chart's minimum and
-#     the newest version) and the ServiceMonitor/PrometheusRule CRD schemas
+#     the newest version) and the CRD schemas (prometheus-operator's
+#     ServiceMonitor/PrometheusRule, cert-manager's Certificate/Issuer)
 #   - helm package: the packaged chart carries the real dashboard and rules of
 #     deploy/ (the symlinks in files/ are followed) and renders the same
 #   - the README's parameter tables are what readme-generator makes of
@@ -15,8 +16,10 @@
 #     checksum annotations of exactly the pods it concerns
 #   - the binary check (deploy/k8s/check_config.py): every rendered imdedup
 #     container's args and environment are accepted by the real binary
-#     (`imdedup --check-config ...`), and every IMDEDUP_* variable it sets is
-#     one the binary knows
+#     (`imdedup --check-config ...`, with real throwaway TLS files in the
+#     Secret-mounted TLS directories), every IMDEDUP_* variable it sets is
+#     one the binary knows, and each render's internal TLS wiring holds
+#     (certificate names cover the hosts dialled and the allowed callers)
 #
 # Tools come from deploy/k8s/tools.sh (installed into ~/.cache/imdedup/tools
 # the first time). The binary is ${IMDEDUP_BIN:-target/debug/imdedup}; build
@@ -31,7 +34,7 @@ keep=0
 for a in "$@"; do
   case "$a" in
     --keep) keep=1 ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
     *) echo "chart-test: unknown argument $a" >&2; exit 2 ;;
   esac
 done

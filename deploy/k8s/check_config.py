@@ -19,11 +19,24 @@ render:
    placeholders, fieldRef metadata.name by the pod's name (every ordinal of a
    StatefulSet), and the paths of mounted volumes moved into a scratch
    directory holding placeholder files (a real self-signed PEM for CA keys).
+   The internal TLS files (IMDEDUP_TLS_CERT, _KEY, _CA in a Secret volume)
+   get a real certificate, key and CA made by `imdedup certs`, so the binary
+   really loads and matches them.
+
+Then, once per render, the internal TLS wiring (`internal TLS` lines): every
+gRPC hop is TLS or every hop is plaintext, with https:// or http:// URLs to
+match; and where the render issues the certificates (cert-manager
+Certificates), every server's certificate is valid for the hosts its callers
+dial (IMDEDUP_SHARDS, IMDEDUP_STORAGE_URL; wildcards as in HTTPS) with the
+`server auth` usage, every caller's has `client auth`, and every server's
+IMDEDUP_TLS_ALLOW_CLIENTS names each of its callers' certificates. (With
+internalTls.existingSecrets the names are the user's PKI's: not checked.)
 
 Prints one line per check and exits non-zero if any failed. The last line is
 `checks: N passed, M failed` for chart-test.sh to add up.
 """
 
+import atexit
 import os
 import re
 import shutil
@@ -44,6 +57,22 @@ SECRET_PLACEHOLDERS = {
 }
 
 _help_cache = {}
+
+# The internal TLS variables and the file `imdedup certs` writes for each.
+TLS_FILES = {"IMDEDUP_TLS_CERT": "tls.crt", "IMDEDUP_TLS_KEY": "tls.key", "IMDEDUP_TLS_CA": "ca.crt"}
+_certs = {}
+
+
+def throwaway_certs(binary):
+    """`imdedup certs --out DIR` once per run: DIR/<service>/{tls.crt,tls.key,ca.crt}."""
+    if "dir" not in _certs:
+        out = tempfile.mkdtemp(prefix="imdedup-check-certs-")
+        atexit.register(shutil.rmtree, out, True)
+        run = subprocess.run([binary, "certs", "--out", out], capture_output=True, text=True)
+        if run.returncode != 0:
+            raise SystemExit(f"check_config: `{binary} certs --out {out}` failed:\n{run.stderr}")
+        _certs["dir"] = out
+    return _certs["dir"]
 
 
 def known_env(binary, subcommand):
@@ -159,10 +188,12 @@ def build_env(container, pod, doc, configmaps, secrets, problems):
     return env
 
 
-def relocate_mounts(env, container, pod_spec, scratch, configmaps):
+def relocate_mounts(env, container, pod_spec, scratch, configmaps, tls_dir=None):
     """Move env values that point into mounted volumes into the scratch dir,
     creating the files a Secret or ConfigMap volume would hold: a ConfigMap
-    of the render with its real keys, anything else with a placeholder."""
+    of the render with its real keys, the internal TLS files of a Secret
+    volume from tls_dir (`imdedup certs` output for this service), anything
+    else with a placeholder."""
     volumes = {v["name"]: v for v in pod_spec.get("volumes") or []}
     for tmpl in pod_spec.get("_claims", []):
         volumes.setdefault(tmpl, {"name": tmpl, "persistentVolumeClaim": {}})
@@ -189,7 +220,11 @@ def relocate_mounts(env, container, pod_spec, scratch, configmaps):
             if value == mp or value.startswith(mp + "/"):
                 moved = os.path.join(scratch, mp.lstrip("/")) + value[len(mp):]
                 volume = volumes.get(mount["name"], {})
-                if value != mp and not os.path.exists(moved) and ("secret" in volume or "configMap" in volume):
+                if name in TLS_FILES and value != mp and "secret" in volume and tls_dir:
+                    # a real certificate, key and CA: the binary loads them
+                    os.makedirs(os.path.dirname(moved), exist_ok=True)
+                    shutil.copyfile(os.path.join(tls_dir, TLS_FILES[name]), moved)
+                elif value != mp and not os.path.exists(moved) and ("secret" in volume or "configMap" in volume):
                     # a whole Secret or ConfigMap mounted: its keys are not in the render
                     os.makedirs(os.path.dirname(moved), exist_ok=True)
                     with open(moved, "w") as f:
@@ -230,13 +265,123 @@ def check_render(binary, path, results):
                     unknown = sorted(n for n in env if n.startswith("IMDEDUP_") and n not in known)
                     if unknown:
                         problems.append(f"`imdedup {subcommand}` does not know {', '.join(unknown)}")
-                    env = relocate_mounts(env, container, pod_spec, scratch, configmaps)
+                    certs = throwaway_certs(binary)
+                    tls_dir = os.path.join(certs, subcommand)
+                    if not os.path.isdir(tls_dir):
+                        tls_dir = os.path.join(certs, "storage")
+                    env = relocate_mounts(env, container, pod_spec, scratch, configmaps, tls_dir)
                     run = subprocess.run([binary, "--check-config", *args], env=env, cwd=scratch,
                                          capture_output=True, text=True, timeout=60)
                     if run.returncode != 0:
                         problems.append(f"`imdedup --check-config {' '.join(args)}` exited {run.returncode}: "
                                         + (run.stderr.strip() or run.stdout.strip()))
                 results.append((not problems, f"{label} (pod {pod})", "; ".join(problems)))
+    check_internal_tls(docs, configmaps, secrets, render, results)
+
+
+# The URL variables each chart container dials, and the server behind each.
+# (Ingest gets IMDEDUP_SHARDS too, but only to know which conversations are
+# its own: it dials none of them.)
+DIALS = {
+    "gateway": {"IMDEDUP_SHARDS": "ingest", "IMDEDUP_STORAGE_URL": "storage"},
+    "ingest": {"IMDEDUP_STORAGE_URL": "storage"},
+    "storage": {},
+}
+
+
+def dialled_hosts(component, env):
+    """(server component, URL) for each gRPC URL the component dials."""
+    out = []
+    for name, server in DIALS[component].items():
+        for entry in filter(None, (e.strip() for e in env.get(name, "").split(","))):
+            out.append((server, entry.split("=", 1)[1] if "=" in entry.split("://")[0] else entry))
+    return out
+
+
+def name_matches(pattern, host):
+    """A certificate DNS name (maybe `*.rest`, one label) against a host, as HTTPS does."""
+    pattern, host = pattern.lower().rstrip("."), host.lower().rstrip(".")
+    if pattern.startswith("*."):
+        head, _, rest = host.partition(".")
+        return bool(head) and rest == pattern[2:]
+    return pattern == host
+
+
+def check_internal_tls(docs, configmaps, secrets, render, results):
+    """The internal TLS wiring of one render; see the module docstring."""
+    chart = {}
+    for doc in docs:
+        if doc.get("kind") not in ("Deployment", "StatefulSet"):
+            continue
+        labels = doc["metadata"].get("labels") or {}
+        if labels.get("app.kubernetes.io/part-of") != "imdedup":
+            continue
+        pod_spec = doc["spec"]["template"]["spec"]
+        for container in pod_spec.get("containers") or []:
+            if container["name"] in ("gateway", "ingest", "storage"):
+                env = build_env(container, pod_names(doc)[0], doc, configmaps, secrets, [])
+                chart[container["name"]] = (env, container, pod_spec)
+    if set(chart) != {"gateway", "ingest", "storage"}:
+        return
+    problems = []
+    certificates = {d["spec"]["secretName"]: d["spec"] for d in docs
+                    if d.get("kind") == "Certificate" and d.get("apiVersion", "").startswith("cert-manager.io/")}
+    tls = {c: "IMDEDUP_TLS_CERT" in env for c, (env, _, _) in chart.items()}
+    plain = {c: env.get("IMDEDUP_INSECURE_PLAINTEXT") == "true" for c, (env, _, _) in chart.items()}
+    if not (all(tls.values()) or all(plain.values())) or any(tls[c] and plain[c] for c in chart):
+        problems.append(f"mixed internal TLS: TLS {sorted(c for c in tls if tls[c])}, plaintext "
+                        f"{sorted(c for c in plain if plain[c])}, neither {sorted(c for c in chart if not (tls[c] or plain[c]))}")
+    scheme = "https://" if all(tls.values()) else "http://"
+    for client, (env, _, _) in chart.items():
+        for _, url in dialled_hosts(client, env):
+            if not url.startswith(scheme):
+                problems.append(f"{client} dials {url}, expected {scheme}")
+    if all(tls.values()) and certificates:
+        def cert_of(component):
+            env, container, pod_spec = chart[component]
+            directory = os.path.dirname(env["IMDEDUP_TLS_CERT"])
+            mount = next((m for m in container.get("volumeMounts") or [] if m["mountPath"].rstrip("/") == directory), None)
+            volume = next((v for v in pod_spec.get("volumes") or [] if mount and v["name"] == mount["name"]), {})
+            secret = (volume.get("secret") or {}).get("secretName")
+            if mount is None or secret is None:
+                problems.append(f"{component}: no Secret volume mounted at {directory}")
+                return None
+            if mount.get("subPath"):
+                problems.append(f"{component}: the TLS Secret is mounted with subPath (renewals would not reach it)")
+            if secret not in certificates:
+                problems.append(f"{component}: its Secret {secret} is issued by no Certificate of the render")
+                return None
+            return certificates[secret]
+        certs = {c: cert_of(c) for c in chart}
+        issuers = {json_key(cert["issuerRef"]) for cert in certs.values() if cert}
+        if len(issuers) > 1:
+            problems.append(f"the certificates have different issuers: {sorted(issuers)}")
+        callers = {}
+        for client, (env, _, _) in chart.items():
+            for server, url in dialled_hosts(client, env):
+                callers.setdefault(server, set()).add(client)
+                host = url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[0]
+                server_cert, client_cert = certs.get(server), certs.get(client)
+                if server_cert and not any(name_matches(n, host) for n in server_cert.get("dnsNames") or []):
+                    problems.append(f"{client} dials {host}, which {server}'s certificate {server_cert.get('dnsNames')} does not cover")
+                if server_cert and "server auth" not in (server_cert.get("usages") or []):
+                    problems.append(f"{server}'s certificate lacks the `server auth` usage")
+                if client_cert and "client auth" not in (client_cert.get("usages") or []):
+                    problems.append(f"{client}'s certificate lacks the `client auth` usage")
+        for server, clients in callers.items():
+            allowed = [n for n in chart[server][0].get("IMDEDUP_TLS_ALLOW_CLIENTS", "").split(",") if n]
+            for client in sorted(clients):
+                names = (certs.get(client) or {}).get("dnsNames") or []
+                if certs.get(client) and not any(name_matches(n, a) for n in names for a in allowed):
+                    problems.append(f"{server} allows {allowed}, none of which {client}'s certificate {names} carries")
+    mode = ("plaintext" if all(plain.values()) else
+            "mixed" if not all(tls.values()) else
+            "cert-manager certificates" if certificates else "existing Secrets, names not checked")
+    results.append((not problems, f"{render}: internal TLS ({mode})", "; ".join(dict.fromkeys(problems))))
+
+
+def json_key(value):
+    return ",".join(f"{k}={value[k]}" for k in sorted(value))
 
 
 def main():

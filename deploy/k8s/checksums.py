@@ -7,11 +7,14 @@ Renders the chart with a base set of values and with one value changed at a
 time, and compares the pod templates' checksum/config and checksum/secret
 annotations of the gateway, ingest and storage workloads: the components
 the change concerns must get a new checksum (so Kubernetes rolls them), the
-others must keep theirs, and the same values must give the same checksums.
+others must keep theirs (and their whole pod template: any change to it
+rolls them too), and the same values must give the same checksums.
 (helm-unittest renders one release at a time, so this comparison of two
 renders lives here.) Prints one line per case and `checks: N passed, M failed`.
 """
 
+import hashlib
+import json
 import subprocess
 import sys
 
@@ -34,6 +37,15 @@ CASES = [
      {c: {"checksum/secret"} for c in COMPONENTS}),
     ("redis.password", ["--set", "redis.url=redis://redis:6379", "--set", "redis.password=pw2"],
      {c: {"checksum/secret"} for c in COMPONENTS} | {"ingest": {"checksum/config", "checksum/secret"}}),
+    ("internalTls.enabled=false (plaintext, http:// URLs)", ["--set", "internalTls.enabled=false"],
+     {c: {"checksum/config"} for c in COMPONENTS}),
+    ("config.grpcReflection (the gRPC servers)", ["--set", "config.grpcReflection=true"],
+     {"ingest": {"checksum/config"}, "storage": {"checksum/config"}}),
+    # cert-manager renews the certificates in the mounted Secrets and the
+    # services reload them: certificate settings never roll a pod.
+    ("internalTls.certManager.duration and privateKey (renewals do not restart)",
+     ["--set", "internalTls.certManager.duration=4320h", "--set", "internalTls.certManager.privateKey.algorithm=RSA",
+      "--set", "internalTls.certManager.privateKey.size=3072"], {}),
 ]
 
 
@@ -49,6 +61,8 @@ def checksums(helm, chart, extra):
         component = doc["metadata"]["labels"].get("app.kubernetes.io/component")
         annotations = doc["spec"]["template"]["metadata"].get("annotations") or {}
         found[component] = {k: v for k, v in annotations.items() if k.startswith("checksum/")}
+        template = json.dumps(doc["spec"]["template"], sort_keys=True).encode()
+        found[component]["pod template"] = hashlib.sha256(template).hexdigest()
     return found
 
 
@@ -75,6 +89,8 @@ def main():
                         problems.append(f"{component} has no {key}")
                 elif moved != want:
                     problems.append(f"{component} {key} {'changed' if moved else 'did not change'}")
+            if component not in expect and before.get("pod template") != after.get("pod template"):
+                problems.append(f"{component}'s pod template changed (its pods would roll)")
         if problems:
             failed += 1
             print(f"FAIL checksums: {name} rolls exactly what it concerns\n     " + "; ".join(problems))

@@ -7,13 +7,19 @@
                                `/api/_definitions.json#...` refs to a relative
                                `_definitions.json#...`
     schemas.py crds SRC DEST   convert every CustomResourceDefinition in SRC
-                               (YAML) to DEST/<group>/<kind>_<version>.json:
+                               (YAML; or a Helm chart's templates folder,
+                               such as cert-manager's, whose CRD files are
+                               wrapped in whole-line `{{ ... }}` directives:
+                               those lines are dropped, and any other
+                               template expression is an error) to
+                               DEST/<group>/<kind>_<version>.json:
                                the version's openAPIV3Schema as a strict JSON
                                schema (`additionalProperties: false` wherever
                                the CRD lists properties and does not say
                                otherwise), the layout kubeconform's
                                `{{ .Group }}/{{ .ResourceKind }}_{{ .ResourceAPIVersion }}.json`
-                               expects
+                               expects (DEST may already hold other CRDs'
+                               schemas; files of the same name are replaced)
 """
 
 import json
@@ -78,6 +84,23 @@ def strict(node):
             strict(node[key])
 
 
+def strip_template_lines(text, path):
+    """A Helm-templated CRD (cert-manager's chart): drop the lines that are
+    only a template directive (`{{- if ... }}`, `{{- end }}`, `{{- include
+    ... | nindent 4 }}` under `labels:`), which leaves the CRD itself
+    (the same schema as the chart-free copy in the module's deploy/crds/). A template expression anywhere else would be
+    silently wrong YAML: refuse it."""
+    kept = []
+    for number, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        if stripped.startswith("{{") and stripped.endswith("}}") and stripped.count("{{") == 1:
+            continue
+        if "{{" in line:
+            sys.exit(f"schemas: {path}:{number}: a template expression inside a line: {stripped}")
+        kept.append(line)
+    return "\n".join(kept) + "\n"
+
+
 def crds(src, dest):
     import yaml
 
@@ -94,7 +117,12 @@ def crds(src, dest):
         if not name.endswith((".yaml", ".yml")):
             continue
         with open(os.path.join(src, name)) as f:
-            docs = list(yaml.load_all(f, Loader=Loader))
+            text = f.read()
+        if "kind: CustomResourceDefinition" not in text:
+            continue  # a chart's other templates
+        if "{{" in text:
+            text = strip_template_lines(text, os.path.join(src, name))
+        docs = list(yaml.load_all(text, Loader=Loader))
         for doc in docs:
             if not doc or doc.get("kind") != "CustomResourceDefinition":
                 continue

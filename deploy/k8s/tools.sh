@@ -12,6 +12,7 @@
 #                       kubernetes-validate ships, made usable by kubeconform
 #   schemas/crds/<group>/<kind>_<version>.json  strict JSON schemas of the
 #                       prometheus-operator CRDs (ServiceMonitor, PrometheusRule, ...)
+#                       and the cert-manager CRDs (Certificate, Issuer, ClusterIssuer, ...)
 #
 # Each piece has a stamp file naming its version; a second run only checks the
 # stamps. Progress goes to stderr; the last line of stdout is the cache dir.
@@ -31,6 +32,10 @@ README_GENERATOR_VERSION="2.7.2"
 KUBERNETES_VALIDATE_VERSION="1.37.0"
 PYYAML_VERSION="6.0.3"
 PROMETHEUS_OPERATOR_VERSION="v0.94.1"
+# cert-manager: the CRDs of the Certificates and Issuers the chart renders
+# for internal mutual TLS. Taken from its Helm chart's templates (what a
+# cluster installs), with the whole-line template directives dropped.
+CERT_MANAGER_VERSION="v1.21.2"
 # Kubernetes versions the renders are validated against: the chart's minimum
 # (native preStop sleep is GA-ready from 1.30) and the newest schemas shipped.
 K8S_SCHEMA_VERSIONS="v1.30.0 v1.37.0"
@@ -118,15 +123,20 @@ if ! stamped k8s-schemas "$schemas_want"; then
   stamp k8s-schemas "$schemas_want"
 fi
 
-# prometheus-operator CRDs -> strict JSON schemas.
-if ! stamped crd-schemas "$PROMETHEUS_OPERATOR_VERSION"; then
+# prometheus-operator and cert-manager CRDs -> strict JSON schemas.
+module_dir() { # module@version: the module's source folder (go mod download)
+  (cd "$CACHE" && go mod download -json "$1") | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])'
+}
+crds_want="prometheus-operator $PROMETHEUS_OPERATOR_VERSION cert-manager $CERT_MANAGER_VERSION"
+if ! stamped crd-schemas "$crds_want"; then
   need go "install Go (https://go.dev/doc/install)"
-  log "preparing the prometheus-operator $PROMETHEUS_OPERATOR_VERSION CRD schemas (go mod download)"
-  dir="$(cd "$CACHE" && go mod download -json "github.com/prometheus-operator/prometheus-operator@$PROMETHEUS_OPERATOR_VERSION" \
-    | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')"
+  log "preparing the CRD schemas: prometheus-operator $PROMETHEUS_OPERATOR_VERSION, cert-manager $CERT_MANAGER_VERSION (go mod download)"
+  po="$(module_dir "github.com/prometheus-operator/prometheus-operator@$PROMETHEUS_OPERATOR_VERSION")"
+  cm="$(module_dir "github.com/cert-manager/cert-manager@$CERT_MANAGER_VERSION")"
   rm -rf "$CACHE/schemas/crds"
-  "$PY" "$here/schemas.py" crds "$dir/example/prometheus-operator-crd" "$CACHE/schemas/crds"
-  stamp crd-schemas "$PROMETHEUS_OPERATOR_VERSION"
+  "$PY" "$here/schemas.py" crds "$po/example/prometheus-operator-crd" "$CACHE/schemas/crds"
+  "$PY" "$here/schemas.py" crds "$cm/deploy/charts/cert-manager/templates" "$CACHE/schemas/crds"
+  stamp crd-schemas "$crds_want"
 fi
 
 log "tools ready in $CACHE"

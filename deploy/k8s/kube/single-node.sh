@@ -9,7 +9,8 @@
 #                                             command) for e.g. helm install of the chart
 #   EXTRA="cmd" ...                           run cmd (with KUBECONFIG set) before the teardown
 #   CHART=k8s/imdedup ...                     also helm install the chart with the local image and
-#                                             report how far its pods get (CHART_ARGS, CHART_WAIT=60)
+#                                             report how far its pods get (CHART_ARGS, CHART_WAIT=60;
+#                                             internalTls.enabled=false: no cert-manager runs here)
 #
 # Every listener is on 127.0.0.1. Pod network: each pod gets its own network namespace with only
 # `lo` (a tiny CNI plugin written here reports an address from TEST-NET-1 192.0.2.0/24 that is
@@ -424,8 +425,10 @@ if [ -n "${CHART:-}" ] && [ "$HAVE_IMDEDUP" = 1 ]; then
   "$KUBECTL" create namespace imdedup >/dev/null
   repo="${IMDEDUP_IMAGE%:*}"; tag="${IMDEDUP_IMAGE##*:}"
   if "$HELM" install imdedup "$CHART" -n imdedup --set image.repository="$repo" --set image.tag="$tag" \
-       --set image.pullPolicy=Never --set storage.persistence.enabled=false ${CHART_ARGS:-} >"$S/logs/helm.log" 2>&1; then
-    pass "helm install $CHART (image $IMDEDUP_IMAGE, storage on emptyDir)"
+       --set image.pullPolicy=Never --set storage.persistence.enabled=false \
+       --set internalTls.enabled=false ${CHART_ARGS:-} >"$S/logs/helm.log" 2>&1; then
+    # (no cert-manager here: plaintext internal gRPC, unless CHART_ARGS says otherwise)
+    pass "helm install $CHART (image $IMDEDUP_IMAGE, storage on emptyDir, internal TLS off)"
     sleep "${CHART_WAIT:-60}"
     "$KUBECTL" get pods -n imdedup -o wide | sed 's/^/INFO    /'
     for p in $("$KUBECTL" get pods -n imdedup -o jsonpath='{range .items[*]}{.metadata.name}{"\n"}{end}'); do

@@ -151,13 +151,188 @@ Gateways and ingest shards get the same list.
 {{- $entries := list -}}
 {{- range $i := until (int .Values.ingest.replicas) -}}
 {{- $pod := printf "%s-%d" $sts $i -}}
-{{- $entries = append $entries (printf "%s=http://%s.%s.%s.svc.%s:%d" $pod $pod $headless $ns $.Values.clusterDomain (int $.Values.ingest.containerPorts.grpc)) -}}
+{{- $entries = append $entries (printf "%s=%s://%s.%s.%s.svc.%s:%d" $pod (include "imdedup.tls.scheme" $) $pod $headless $ns $.Values.clusterDomain (int $.Values.ingest.containerPorts.grpc)) -}}
 {{- end -}}
 {{- join "," $entries -}}
 {{- end -}}
 
+{{/* The storage Service's DNS name, the host the gateways and ingest shards dial. */}}
+{{- define "imdedup.storage.host" -}}
+{{- printf "%s.%s.svc.%s" (include "imdedup.componentName" (list . "storage")) (include "imdedup.namespace" .) .Values.clusterDomain -}}
+{{- end -}}
+
 {{- define "imdedup.storage.url" -}}
-{{- printf "http://%s.%s.svc.%s:%d" (include "imdedup.componentName" (list . "storage")) (include "imdedup.namespace" .) .Values.clusterDomain (int .Values.storage.containerPorts.grpc) -}}
+{{- printf "%s://%s:%d" (include "imdedup.tls.scheme" .) (include "imdedup.storage.host" .) (int .Values.storage.containerPorts.grpc) -}}
+{{- end -}}
+
+{{/*
+The TCP port of gateway.authz.membershipUrl: the URL's, else 80 for http://
+and 443 otherwise (as the gateway dials it).
+*/}}
+{{- define "imdedup.membership.port" -}}
+{{- $u := urlParse .Values.gateway.authz.membershipUrl -}}
+{{- if not $u.host -}}
+{{- fail (printf "gateway.authz.membershipUrl: %q is not a URL like https://membership.ns.svc:7400" .Values.gateway.authz.membershipUrl) -}}
+{{- end -}}
+{{- regexFind ":[0-9]+$" $u.host | trimPrefix ":" | default (ternary "80" "443" (eq $u.scheme "http")) -}}
+{{- end -}}
+
+{{/* -------------------------------------------------------- internal TLS */}}
+
+{{/*
+How the internal gRPC hops are secured: "certManager" (Certificates issued
+by cert-manager), "existingSecrets" (the user's own PKI) or "" (plaintext,
+internalTls.enabled=false). Fails on an incomplete choice.
+*/}}
+{{- define "imdedup.tls.mode" -}}
+{{- $t := .Values.internalTls -}}
+{{- if $t.enabled -}}
+{{- $given := list -}}
+{{- range $component := list "gateway" "ingest" "storage" -}}
+{{- if index $t.existingSecrets $component }}{{ $given = append $given $component }}{{ end -}}
+{{- end -}}
+{{- if $given -}}
+{{- if lt (len $given) 3 -}}
+{{- fail (printf "internalTls.existingSecrets: give the Secrets of gateway, ingest and storage together (only %s given), or none to use cert-manager" (join ", " $given)) -}}
+{{- end -}}
+existingSecrets
+{{- else if $t.certManager.enabled -}}
+certManager
+{{- else -}}
+{{- fail "internalTls: with internalTls.certManager.enabled=false, give internalTls.existingSecrets.{gateway,ingest,storage} (or internalTls.enabled=false for a plaintext trial)" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* "https" with internal TLS, else "http". */}}
+{{- define "imdedup.tls.scheme" -}}
+{{- ternary "https" "http" (not (empty (include "imdedup.tls.mode" .))) -}}
+{{- end -}}
+
+{{/* "true" when the chart bootstraps its own CA (cert-manager, no issuerRef.name). */}}
+{{- define "imdedup.tls.bootstrapCA" -}}
+{{- if and (eq (include "imdedup.tls.mode" .) "certManager") (not .Values.internalTls.certManager.issuerRef.name) }}true{{ end -}}
+{{- end -}}
+
+{{/*
+A component's TLS identity: the DNS name its certificate carries and the
+servers it calls allow (IMDEDUP_TLS_ALLOW_CLIENTS), its component name.
+Usage: include "imdedup.tls.identity" (list . "gateway")
+*/}}
+{{- define "imdedup.tls.identity" -}}
+{{- include "imdedup.componentName" . -}}
+{{- end -}}
+
+{{/* The Secret holding a component's tls.crt, tls.key and ca.crt. Usage: (list . "ingest") */}}
+{{- define "imdedup.tls.secretName" -}}
+{{- $root := index . 0 -}}
+{{- $component := index . 1 -}}
+{{- if eq (include "imdedup.tls.mode" $root) "existingSecrets" -}}
+{{- index $root.Values.internalTls.existingSecrets $component -}}
+{{- else -}}
+{{- printf "%s-tls" (include "imdedup.componentName" (list $root $component)) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+A component's certificate DNS names, as a JSON list: its identity first,
+then the names it is dialled at (the hosts of IMDEDUP_SHARDS and
+IMDEDUP_STORAGE_URL). The gateway is dialled by no one.
+Usage: include "imdedup.tls.dnsNames" (list . "ingest") | fromJsonArray
+*/}}
+{{- define "imdedup.tls.dnsNames" -}}
+{{- $root := index . 0 -}}
+{{- $component := index . 1 -}}
+{{- $ns := include "imdedup.namespace" $root -}}
+{{- $names := list (include "imdedup.tls.identity" .) -}}
+{{- if eq $component "ingest" -}}
+{{- /* every shard at <pod>.<headless>.<ns>.svc.<clusterDomain>: one wildcard, so scaling needs no new certificate */ -}}
+{{- $names = append $names (printf "*.%s.%s.svc.%s" (include "imdedup.ingest.headless" $root) $ns $root.Values.clusterDomain) -}}
+{{- else if eq $component "storage" -}}
+{{- $svc := include "imdedup.componentName" (list $root "storage") -}}
+{{- $names = concat $names (list (printf "%s.%s" $svc $ns) (printf "%s.%s.svc" $svc $ns) (include "imdedup.storage.host" $root)) -}}
+{{- end -}}
+{{- toJson $names -}}
+{{- end -}}
+
+{{/*
+The callers a server accepts (IMDEDUP_TLS_ALLOW_CLIENTS), comma-separated
+identities: ingest accepts the gateways; storage the gateways, and the ingest
+shards in the embedded mode (in the ScyllaDB mode they never call storage).
+*/}}
+{{- define "imdedup.tls.allowClients" -}}
+{{- $root := index . 0 -}}
+{{- $component := index . 1 -}}
+{{- $clients := list (include "imdedup.tls.identity" (list $root "gateway")) -}}
+{{- if and (eq $component "storage") (not (include "imdedup.scyllaMode" $root)) -}}
+{{- $clients = prepend $clients (include "imdedup.tls.identity" (list $root "ingest")) -}}
+{{- end -}}
+{{- join "," $clients -}}
+{{- end -}}
+
+{{/*
+The privateKey of the chart's Certificates. Usage:
+include "imdedup.tls.privateKey" (list . "Always") -- a new key at every
+renewal (the services' certificates); "Never" for the bootstrapped CA, whose
+renewal then keeps its key and subject, so certificates signed before and
+after chain to the same trust anchor and nothing breaks in between.
+*/}}
+{{- define "imdedup.tls.privateKey" -}}
+{{- $key := (index . 0).Values.internalTls.certManager.privateKey -}}
+algorithm: {{ $key.algorithm }}
+{{- if ne $key.algorithm "Ed25519" }}
+size: {{ $key.size }}
+{{- end }}
+rotationPolicy: {{ index . 1 }}
+{{- end -}}
+
+{{/* Where a component's TLS Secret is mounted (a directory, so renewals reach the files). */}}
+{{- define "imdedup.tls.mountPath" -}}/etc/imdedup/tls{{- end -}}
+
+{{/*
+The internal TLS part of a component's ConfigMap data (hashed into
+checksum/config: paths and names, never the Secret's contents, so a renewed
+certificate does not restart the pods).
+Usage: include "imdedup.tls.configData" (list . "storage")
+*/}}
+{{- define "imdedup.tls.configData" -}}
+{{- $root := index . 0 -}}
+{{- $component := index . 1 -}}
+{{- $dir := include "imdedup.tls.mountPath" $root -}}
+{{- if include "imdedup.tls.mode" $root }}
+IMDEDUP_TLS_CERT: {{ printf "%s/tls.crt" $dir | quote }}
+IMDEDUP_TLS_KEY: {{ printf "%s/tls.key" $dir | quote }}
+IMDEDUP_TLS_CA: {{ printf "%s/ca.crt" $dir | quote }}
+{{- if ne $component "gateway" }}
+IMDEDUP_TLS_ALLOW_CLIENTS: {{ include "imdedup.tls.allowClients" . | quote }}
+{{- end }}
+{{- else }}
+# internalTls.enabled=false: plaintext, for trying out only
+IMDEDUP_INSECURE_PLAINTEXT: "true"
+{{- end }}
+{{- if ne $component "gateway" }}
+IMDEDUP_GRPC_REFLECTION: {{ $root.Values.config.grpcReflection | toString | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* The TLS volume mount of a component's container, or nothing. Usage: (list . "ingest") */}}
+{{- define "imdedup.tls.volumeMount" -}}
+{{- if include "imdedup.tls.mode" (index . 0) }}
+# A directory mount, not subPath, so renewed certificates reach the files,
+# which the service reads again when they change.
+- name: internal-tls
+  mountPath: {{ include "imdedup.tls.mountPath" (index . 0) }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* The TLS volume of a component's pods, or nothing. Usage: (list . "ingest") */}}
+{{- define "imdedup.tls.volume" -}}
+{{- if include "imdedup.tls.mode" (index . 0) }}
+- name: internal-tls
+  secret:
+    secretName: {{ include "imdedup.tls.secretName" . }}
+{{- end }}
 {{- end -}}
 
 {{/* ------------------------------------------------------------- secrets */}}

@@ -17,5 +17,6 @@ IMDEDUP_GROUPS_FILE: "/etc/imdedup/groups/groups.json"
 {{- with .Values.gateway.authz.membershipUrl }}
 IMDEDUP_MEMBERSHIP_URL: {{ . | quote }}
 {{- end }}
+{{- include "imdedup.tls.configData" (list . "gateway") }}
 {{- include "imdedup.commonEnv" . }}
 {{- end -}}

@@ -24,5 +24,6 @@ IMDEDUP_REDIS_TIMEOUT: {{ .Values.redis.timeout | quote }}
 IMDEDUP_REDIS_CA: {{ printf "/etc/imdedup/redis-ca/%s" .Values.redis.caSecret.key | quote }}
 {{- end }}
 {{- end }}
+{{- include "imdedup.tls.configData" (list . "ingest") }}
 {{- include "imdedup.commonEnv" . }}
 {{- end -}}

@@ -7,5 +7,6 @@ IMDEDUP_DATA_DIR: {{ .Values.storage.persistence.mountPath | quote }}
 IMDEDUP_STORAGE_MAX_BATCH: {{ .Values.storage.config.maxBatch | quote }}
 {{- end }}
 IMDEDUP_GRACE: {{ printf "%ds" (int .Values.config.graceSeconds) | quote }}
+{{- include "imdedup.tls.configData" (list . "storage") }}
 {{- include "imdedup.commonEnv" . }}
 {{- end -}}
