@@ -53,6 +53,9 @@ pub async fn follow(
     }
 }
 
+/// Most waits a sweep spends on one conversation's retry-after hints.
+const MAX_WAITS: u32 = 50;
+
 /// Pull every conversation from its cursor to its end. A phone the gateway
 /// dropped dials again; one that cannot connect is retried on the next
 /// sweep, cursors unchanged.
@@ -70,12 +73,22 @@ async fn sweep(phones: &Phones, readers: &HashMap<String, usize>, delivered: &mu
             let Ok((_, client)) = phones[reader].0.client().await else {
                 return (conversation, new);
             };
+            // A pull the gateway asks to repeat later is repeated after
+            // the wait it names, as a phone should.
+            let mut waits = 0;
             loop {
                 match client.history(&conversation, cursor, PAGE).await {
                     Ok(Ok(page)) if !page.messages.is_empty() => {
                         cursor = page.messages.last().map_or(cursor, |m| m.seq);
                         new.extend(page.messages);
                     }
+                    Ok(Err(e)) if e.retryable && waits < MAX_WAITS => match e.retry_after {
+                        Some(wait) => {
+                            waits += 1;
+                            tokio::time::sleep(wait).await;
+                        }
+                        None => break,
+                    },
                     _ => break,
                 }
             }

@@ -93,8 +93,8 @@ pub async fn wait_until(deadline: Instant) {
 }
 
 /// Deliver one message the way a phone does, starting at `due`: a try at
-/// each offset, the network's fate for each, and no more tries after
-/// `give_up`.
+/// each offset (or later, when the server asked to wait), the network's
+/// fate for each, and no more tries after `give_up`.
 pub async fn deliver(
     link: &Link,
     message: Outgoing<'_>,
@@ -104,8 +104,10 @@ pub async fn deliver(
     give_up: Duration,
 ) -> Trace {
     let mut trace = Trace::default();
+    // A server's retry-after hint moves the next try later, never earlier.
+    let mut not_before = due;
     for (offset, fate) in offsets.iter().zip(fates) {
-        wait_until(due + *offset).await;
+        wait_until((due + *offset).max(not_before)).await;
         trace.tries += 1;
         if fate.send_lost {
             trace.sends_lost += 1;
@@ -135,6 +137,9 @@ pub async fn deliver(
             }
             Ok((_, _, Err(e))) => {
                 let retryable = e.retryable;
+                if let Some(wait) = e.retry_after {
+                    not_before = Instant::now() + wait;
+                }
                 trace.errors.push(e.code);
                 if !retryable {
                     return trace;

@@ -363,16 +363,27 @@ impl Client {
     }
 
     /// Every stored message of `conversation`, following pages to the end.
+    /// A page the gateway asks to pull later (`retry_after_ms`) is pulled
+    /// again after that wait, a few times at most.
     pub async fn full_history(
         &self,
         conversation: &str,
     ) -> Result<Result<Vec<HistoryMessage>, ErrorReply>, ClientError> {
+        const MAX_WAITS: u32 = 50;
         let mut all = Vec::new();
         let mut after = 0;
+        let mut waits = 0;
         loop {
             let page = match self.history(conversation, after, 1000).await? {
                 Ok(page) => page,
-                Err(e) => return Ok(Err(e)),
+                Err(e) => match e.retry_after {
+                    Some(wait) if e.retryable && waits < MAX_WAITS => {
+                        waits += 1;
+                        tokio::time::sleep(wait).await;
+                        continue;
+                    }
+                    _ => return Ok(Err(e)),
+                },
             };
             let Some(last) = page.messages.last() else {
                 return Ok(Ok(all));

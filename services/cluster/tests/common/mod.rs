@@ -89,6 +89,11 @@ pub struct Harness {
 pub fn options(kind: Kind, dir: &tempfile::TempDir, clock: &ManualClock) -> Option<ClusterOptions> {
     let mut options = ClusterOptions::new(dir.path(), Arc::new(clock.clone()));
     options.authz = test_groups();
+    // These tests pipeline hundreds of sends from one phone: the per-user
+    // rate is tested on its own (tests/limits.rs), not in their way.
+    let plenty = std::num::NonZeroU32::new(100_000).unwrap();
+    options.gateway_limits.user_sends_per_second = plenty;
+    options.gateway_limits.user_send_burst = plenty;
     if kind == Kind::Real {
         let (redis_url, scylla) = real_endpoints()?;
         let tag = unique_tag();
