@@ -6,6 +6,7 @@ use std::{path::PathBuf, time::Duration};
 use crate::services::duration;
 use clap::Args;
 use imdedup_cluster::{Backends, ClusterOptions};
+use imdedup_core::secret::Secret;
 use imdedup_ingest::{MemoryWindowOptions, RedisWindowOptions, window::DEFAULT_CLAIM_TTL};
 use imdedup_storage::{
     ScyllaOptions,
@@ -55,7 +56,12 @@ pub struct RedisArgs {
     /// Redis for the recent-ID window: `redis://[user:password@]host:port[/db]`,
     /// `rediss://` for TLS. Several comma-separated URLs (or --redis-cluster)
     /// mean a Redis Cluster. Unset: the in-process window.
-    #[arg(long = "redis", env = "IMDEDUP_REDIS_URL", value_delimiter = ',')]
+    #[arg(
+        long = "redis",
+        env = "IMDEDUP_REDIS_URL",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
     pub redis_urls: Vec<String>,
     /// Treat the URL as a seed of a Redis Cluster.
     #[arg(long, env = "IMDEDUP_REDIS_CLUSTER")]
@@ -123,7 +129,7 @@ pub struct ScyllaArgs {
     #[arg(long, env = "IMDEDUP_SCYLLA_USER")]
     pub scylla_user: Option<String>,
     #[arg(long, env = "IMDEDUP_SCYLLA_PASSWORD", hide_env_values = true)]
-    pub scylla_password: Option<String>,
+    pub scylla_password: Option<Secret>,
     /// Connect with TLS, trusting the CA in this PEM file.
     #[arg(long, env = "IMDEDUP_SCYLLA_CA")]
     pub scylla_ca: Option<PathBuf>,
@@ -190,5 +196,57 @@ impl ScyllaArgs {
         options.pending_fence = self.scylla_pending_fence;
         options.check()?;
         Ok(Some(options))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Wrap {
+        #[command(flatten)]
+        redis: RedisArgs,
+        #[command(flatten)]
+        scylla: ScyllaArgs,
+    }
+
+    #[test]
+    fn passwords_show_in_no_debug_output_and_no_help() {
+        let args = Wrap::try_parse_from([
+            "ingest",
+            "--redis",
+            "redis://app:redis-pw-1@r:6379",
+            "--scylla",
+            "s:9042",
+            "--scylla-user",
+            "app",
+            "--scylla-password",
+            "scylla-pw-2",
+        ])
+        .unwrap();
+        let redis = args
+            .redis
+            .options(Duration::from_secs(60), Duration::from_secs(3))
+            .unwrap()
+            .unwrap();
+        let scylla = args.scylla.options().unwrap().unwrap();
+        let shown = format!("{redis:?} {scylla:?}");
+        assert!(!shown.contains("redis-pw-1"), "{shown}");
+        assert!(!shown.contains("scylla-pw-2"), "{shown}");
+        assert!(shown.contains("redis://app:..@r:6379"), "{shown}");
+
+        // --help would print an environment variable's value unless hidden.
+        use clap::CommandFactory;
+        let command = Wrap::command();
+        for var in ["IMDEDUP_REDIS_URL", "IMDEDUP_SCYLLA_PASSWORD"] {
+            let arg = command
+                .get_arguments()
+                .find(|a| a.get_env().is_some_and(|e| e == var))
+                .unwrap();
+            assert!(arg.is_hide_env_values_set(), "{var} would show in --help");
+        }
     }
 }

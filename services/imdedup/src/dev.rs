@@ -11,7 +11,7 @@ use anyhow::Context;
 
 use clap::Args;
 use imdedup_cluster::{Backends, ClusterOptions, DEV_TOKEN_SECRET, LocalCluster};
-use imdedup_core::clock::SystemClock;
+use imdedup_core::{clock::SystemClock, secret::redact_url};
 
 use crate::{authz::AuthzMode, backends::LocalBackendArgs};
 use imdedup_gateway::authz::{Authorizer, GroupsFile};
@@ -59,7 +59,11 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     };
     let backends = match &options.backends {
         Backends::Real { redis, scylla } => {
-            format!("Redis {:?}, ScyllaDB {:?}", redis.urls, scylla.nodes)
+            format!(
+                "Redis {:?}, ScyllaDB {:?}",
+                redis.urls.iter().map(|u| redact_url(u)).collect::<Vec<_>>(),
+                scylla.nodes
+            )
         }
         Backends::Embedded => format!("embedded backends, data in {}", args.data_dir.display()),
     };

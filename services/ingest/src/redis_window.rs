@@ -93,8 +93,8 @@ end
 return redis.call('DEL', KEYS[n])
 ";
 
-/// Settings of the Redis window.
-#[derive(Debug, Clone)]
+/// Settings of the Redis window. `Debug` hides the URLs' passwords.
+#[derive(Clone)]
 pub struct RedisWindowOptions {
     /// `redis://[user:pass@]host:port[/db]` (or `rediss://` for TLS); with
     /// several URLs, or `cluster`, a Redis Cluster.
@@ -120,6 +120,23 @@ pub struct RedisWindowOptions {
     pub shards: u32,
     /// Time span of one bucket.
     pub bucket_span: Duration,
+}
+
+impl std::fmt::Debug for RedisWindowOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let urls: Vec<String> = self
+            .urls
+            .iter()
+            .map(|u| imdedup_core::secret::redact_url(u))
+            .collect();
+        f.debug_struct("RedisWindowOptions")
+            .field("urls", &urls)
+            .field("cluster", &self.cluster)
+            .field("key_prefix", &self.key_prefix)
+            .field("ttl", &self.ttl)
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
 }
 
 impl RedisWindowOptions {

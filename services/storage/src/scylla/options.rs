@@ -5,7 +5,7 @@ use std::{
     time::Duration,
 };
 
-use imdedup_core::{Error, metrics::StoreMetrics};
+use imdedup_core::{Error, metrics::StoreMetrics, secret::Secret};
 use scylla::statement::{Consistency, SerialConsistency};
 
 /// Settings of the ScyllaDB store.
@@ -19,7 +19,7 @@ pub struct ScyllaOptions {
     pub consistency: Consistency,
     pub serial_consistency: SerialConsistency,
     pub user: Option<String>,
-    pub password: Option<String>,
+    pub password: Option<Secret>,
     pub request_timeout: Duration,
     /// Seqs leased per conversation at a time.
     pub seq_block: u64,

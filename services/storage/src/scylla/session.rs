@@ -3,7 +3,7 @@
 
 use std::{collections::BTreeSet, sync::Arc, time::Duration};
 
-use imdedup_core::Error;
+use imdedup_core::{Error, secret::Secret};
 use scylla::{
     client::{
         execution_profile::ExecutionProfile, session::Session, session_builder::SessionBuilder,
@@ -29,7 +29,8 @@ pub async fn connect(options: &ScyllaOptions) -> Result<Session, Error> {
         builder = builder.known_node(node);
     }
     if let Some(user) = &options.user {
-        builder = builder.user(user, options.password.clone().unwrap_or_default());
+        let password = options.password.as_ref().map_or("", Secret::expose);
+        builder = builder.user(user, password);
     }
     if let Some(ca) = &options.tls_ca {
         builder = builder.tls_context(Some(tls_config(ca)?));
