@@ -48,3 +48,9 @@ IMDEDUP_PROOF_NO_BUILD=1 deploy/local/observability-proof.sh
 # failing history writes, an ingest SIGKILLed, a rolling restart, the shard
 # map 2 -> 3 -> 2. One line each; every must-be-zero count must be 0.
 IMDEDUP_FAULTS_NO_BUILD=1 deploy/local/faults.sh
+
+# Overload (issue 14), the short version: the capacity of a cluster measured,
+# then Cassandra paused 4 s and Redis killed and restarted while sending at
+# half of it; fails on a loss, a repeat or a phone giving up, and prints the
+# goodput, recovery and tries figures. The full set: deploy/local/overload.sh.
+IMDEDUP_OVERLOAD_NO_BUILD=1 deploy/local/overload.sh --short

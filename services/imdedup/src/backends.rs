@@ -72,6 +72,10 @@ pub struct RedisArgs {
     /// Deadline of each Redis call; past it the window is bypassed.
     #[arg(long, env = "IMDEDUP_REDIS_TIMEOUT", default_value = "250ms", value_parser = duration)]
     pub redis_timeout: Duration,
+    /// After a Redis outage, the time over which the window gets all claims
+    /// back (a growing share; the rest go to the unique key).
+    #[arg(long, env = "IMDEDUP_REDIS_WARMUP", default_value = "5s", value_parser = duration)]
+    pub redis_warmup: Duration,
     /// PEM file of the CA for `rediss://` (default: the public web roots).
     #[arg(long, env = "IMDEDUP_REDIS_CA")]
     pub redis_ca: Option<PathBuf>,
@@ -91,6 +95,7 @@ impl RedisArgs {
         options.cluster |= self.redis_cluster;
         options.key_prefix = self.redis_key_prefix.clone();
         options.timeout = self.redis_timeout;
+        options.warmup = self.redis_warmup;
         options.ttl = ttl;
         options.claim_ttl = claim_ttl;
         options.ca_file = self.redis_ca.clone();

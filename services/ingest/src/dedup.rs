@@ -18,6 +18,7 @@ use imdedup_core::{
     window::{Claim, RecentWindow},
 };
 
+use crate::db_limit::{DbLimit, DbLimitOptions};
 use crate::in_flight::InFlight;
 
 /// Counts of what the ingest decided, since start.
@@ -82,6 +83,30 @@ pub struct Dedup {
     ownership: Option<Ownership>,
     /// Inserts running, one per key.
     in_flight: Arc<InFlight>,
+    /// The store's insert behind the adaptive limit.
+    db: DbLimit,
+    db_options: DbLimitOptions,
+    bypass_log: EverySecond,
+    window_log: EverySecond,
+}
+
+/// At most once a second: for a log line that would otherwise come with
+/// every send during an outage.
+#[derive(Default)]
+struct EverySecond(std::sync::Mutex<Option<Instant>>);
+
+impl EverySecond {
+    fn allow(&self) -> bool {
+        let Ok(mut last) = self.0.try_lock() else {
+            return false;
+        };
+        let now = Instant::now();
+        if last.is_some_and(|at| now.duration_since(at) < Duration::from_secs(1)) {
+            return false;
+        }
+        *last = Some(now);
+        true
+    }
 }
 
 impl Dedup {
@@ -90,16 +115,29 @@ impl Dedup {
         store: Arc<dyn MessageStore>,
         storage_timeout: Duration,
     ) -> Self {
+        let metrics = IngestMetrics::default();
+        let db_options = DbLimitOptions::default();
         Self {
+            db: DbLimit::new(Arc::clone(&store), db_options, metrics.clone()),
+            db_options,
+            bypass_log: EverySecond::default(),
+            window_log: EverySecond::default(),
             window,
             store,
             storage_timeout,
             stats: DedupStats::default(),
-            metrics: IngestMetrics::default(),
+            metrics,
             dedup_off: false,
             ownership: None,
             in_flight: Arc::default(),
         }
+    }
+
+    /// Bound the adaptive limit on inserts in flight by `options`.
+    pub fn with_db_limit(mut self, options: DbLimitOptions) -> Self {
+        self.db_options = options;
+        self.db = DbLimit::new(Arc::clone(&self.store), options, self.metrics.clone());
+        self
     }
 
     /// Answer only the conversations `ownership` gives this shard; refuse
@@ -120,6 +158,7 @@ impl Dedup {
     /// Record into `metrics` (by default they are counted but registered
     /// nowhere). Give the window the same `metrics.window`.
     pub fn with_metrics(mut self, metrics: IngestMetrics) -> Self {
+        self.db = DbLimit::new(Arc::clone(&self.store), self.db_options, metrics.clone());
         self.metrics = metrics;
         self
     }
@@ -204,7 +243,9 @@ impl Dedup {
                 self.metrics.window.claimed("error");
                 self.metrics.window.bypassed();
                 bump(&self.stats.window_bypassed);
-                tracing::warn!(error = %e, "recent-id window unavailable, bypassing it");
+                if self.bypass_log.allow() {
+                    tracing::warn!(error = %e, "recent-id window unavailable, bypassing it (logged once a second at most)");
+                }
                 None
             }
         };
@@ -251,14 +292,18 @@ impl Dedup {
                     receipt: stored.receipt,
                     fingerprint: Some(stored.fingerprint()),
                 };
-                if let Err(e) = self.window.remember(&key, token, remembered).await {
-                    tracing::warn!(error = %e, "cannot remember a stored id in the window");
+                if let Err(e) = self.window.remember(&key, token, remembered).await
+                    && self.window_log.allow()
+                {
+                    tracing::warn!(error = %e, "cannot remember a stored id in the window (logged once a second at most)");
                 }
             }
             (Err(_), Some(token)) => {
                 // Not stored: the next resend must be stored, not "seen".
-                if let Err(e) = self.window.release(&key, token).await {
-                    tracing::warn!(error = %e, "cannot release a failed claim");
+                if let Err(e) = self.window.release(&key, token).await
+                    && self.window_log.allow()
+                {
+                    tracing::warn!(error = %e, "cannot release a failed claim (logged once a second at most)");
                 }
             }
             (_, None) => {}
@@ -292,13 +337,11 @@ impl Dedup {
                 format!("storage did not answer within {timeout:?}"),
             )
         };
-        let store = Arc::clone(&self.store);
+        let db = self.db.clone();
         let key = message.key.clone();
-        let (led, outcome) = self.in_flight.join(&key, async move {
-            tokio::time::timeout(timeout, store.insert_once(message))
-                .await
-                .unwrap_or_else(|_| Err(deadline()))
-        });
+        let (led, outcome) = self
+            .in_flight
+            .join(&key, async move { db.insert(message, timeout).await });
         let result = tokio::time::timeout(timeout, outcome)
             .await
             .unwrap_or_else(|_| Err(deadline()));
@@ -621,6 +664,49 @@ mod tests {
         let again = dedup.send(message("m1")).await.unwrap();
         assert_eq!(again.outcome, Outcome::DuplicateUniqueKey);
         assert_eq!(store.inserts.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn beyond_the_database_limit_a_send_is_refused_at_once_and_stores_nothing() {
+        let store = Arc::new(SlowStore::default());
+        let dedup = Arc::new(
+            Dedup::new(
+                Arc::new(MemoryWindow::new(MemoryWindowOptions::default())),
+                store.clone(),
+                Duration::from_secs(1),
+            )
+            .with_db_limit(DbLimitOptions {
+                initial: 2,
+                min: 2,
+                max: 2,
+                ..DbLimitOptions::default()
+            }),
+        );
+        // Two slow inserts hold the limit; the third send finds it full.
+        let running: Vec<_> = ["m1", "m2"]
+            .into_iter()
+            .map(|id| {
+                let dedup = Arc::clone(&dedup);
+                tokio::spawn(async move { dedup.send(message(id)).await })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let started = Instant::now();
+        let err = dedup.send(message("m3")).await.unwrap_err();
+        assert!(
+            started.elapsed() < Duration::from_millis(40),
+            "refused at once, not queued behind the slow inserts"
+        );
+        assert_eq!(err.kind(), ErrorKind::Overloaded);
+        assert!(err.retry_after().is_some());
+        assert_eq!(dedup.metrics().shed_count("db_limit"), 1);
+        for send in running {
+            assert_eq!(send.await.unwrap().unwrap().outcome, Outcome::Stored);
+        }
+        assert_eq!(store.inserts.load(Ordering::SeqCst), 2, "m3 cost nothing");
+        // Its claim was released: the resend is stored.
+        let ack = dedup.send(message("m3")).await.unwrap();
+        assert_eq!(ack.outcome, Outcome::Stored);
     }
 
     #[tokio::test]

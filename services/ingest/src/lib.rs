@@ -4,6 +4,7 @@
 
 pub mod breaker;
 pub mod connecting_window;
+pub mod db_limit;
 pub mod dedup;
 pub mod grpc;
 pub mod in_flight;

@@ -110,6 +110,9 @@ pub struct RedisWindowOptions {
     /// Failures in a row that open the breaker, and how long it stays open.
     pub breaker_threshold: u32,
     pub breaker_cooldown: Duration,
+    /// After an outage, how long the window takes to get all claims back
+    /// (a growing share; the rest go straight to the unique key).
+    pub warmup: Duration,
     /// PEM file of the CA that signs the server certificate, for
     /// `rediss://` URLs, read when connecting; without it the webpki roots
     /// are trusted.
@@ -151,6 +154,7 @@ impl RedisWindowOptions {
             pending_wait: Duration::from_millis(50),
             breaker_threshold: 3,
             breaker_cooldown: Duration::from_secs(1),
+            warmup: Duration::from_secs(5),
             ca_file: None,
             shards: 8192,
             bucket_span: Duration::from_secs(60),
@@ -301,10 +305,10 @@ impl RedisWindow {
                 release: redis::Script::new(RELEASE_LUA),
                 forget: redis::Script::new(FORGET_LUA),
             },
-            breaker: Arc::new(Breaker::new(
-                options.breaker_threshold,
-                options.breaker_cooldown,
-            )),
+            breaker: Arc::new(
+                Breaker::new(options.breaker_threshold, options.breaker_cooldown)
+                    .with_warmup(options.warmup),
+            ),
             options,
             metrics: WindowMetrics::default(),
         })
@@ -493,6 +497,12 @@ fn millis(d: Duration) -> u64 {
 #[async_trait]
 impl RecentWindow for RedisWindow {
     async fn claim(&self, key: &MessageKey) -> Result<Claim, Error> {
+        if !self.breaker.warmed_for(Instant::now()) {
+            self.metrics.warmup_skipped();
+            return Err(Error::unavailable(
+                "redis window warming up after an outage",
+            ));
+        }
         let started = Instant::now();
         let result = self.claim_key(key).await;
         self.metrics.observe("claim", BACKEND, started.elapsed());
