@@ -11,6 +11,7 @@ const PROTOS: &[&str] = &[
     "imdedup/v1/storage.proto",
     "imdedup/v1/gateway.proto",
     "imdedup/v1/membership.proto",
+    "imdedup/v1/business.proto",
 ];
 
 fn main() -> io::Result<()> {

@@ -51,6 +51,7 @@ WORKLOADS = {"Deployment", "StatefulSet", "Job"}
 # Placeholders for values that come from Secrets, by the variable's name.
 SECRET_PLACEHOLDERS = {
     "IMDEDUP_TOKEN_SECRET": "x" * 48,
+    "IMDEDUP_SERVICE_TOKEN_SECRET": "y" * 48,
     "IMDEDUP_REDIS_URL": "redis://:pw@redis:6379",
     "IMDEDUP_SCYLLA_PASSWORD": "pw",
     "REDIS_PASSWORD": "pw",

@@ -18,6 +18,9 @@ library only.
      the shards bypass the window; storage is killed and restarted, so the
      shards' store calls fail; the SQLite database is locked by another
      connection for longer than the store's busy timeout, a database error.
+     Beside the phones, imdedup-load business: backend systems call the
+     business API and retry with the same idempotency key when an answer is
+     lost.
   4. Every PromQL expression of the dashboard (instant, over a range covering
      the run, and as Grafana runs it: a range query with a 4 s
      $__rate_interval) and every rule (each recording rule, and each operand of
@@ -30,7 +33,8 @@ library only.
      window bypass and the storage errors must be pending (their `for:` is
      minutes).
   5. The dedup hit rate from Prometheus must agree with the load driver's own
-     counts (report.json) within 1% (relative).
+     counts (report.json, business.json) within 1% (relative), and so must the
+     business key's share of the gateway's answered sends.
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ from localprocs import HarnessError, Processes, free_port, http_get, port_open, 
 
 NAMESPACE = "imdedup-proof"
 TOKEN_SECRET = "observability-proof-secret-0123456789"
+# The business API's service tokens (imdedup-load business).
+SERVICE_TOKEN_SECRET = "observability-proof-service-secret-0123456789"
 SHARDS = ("ingest-0", "ingest-1")
 # Grafana's built-in variables, replaced the way Grafana would for the proof's
 # queries. $__rate_interval is max($__interval + scrape, 4 x scrape).
@@ -437,7 +443,8 @@ def run(args, tmp: Path, procs: Processes, rules: Path, rules_in_file, targets, 
                             "--shards", ",".join(f"http://{addr(s)}" for s in SHARDS),
                             "--storage", f"http://{addr('storage')}", "--send-timeout", "10s",
                             "--groups-file", str(groups_file), "--grace", "1s"],
-                {**quiet, "IMDEDUP_TOKEN_SECRET": TOKEN_SECRET})
+                {**quiet, "IMDEDUP_TOKEN_SECRET": TOKEN_SECRET,
+                 "IMDEDUP_SERVICE_TOKEN_SECRET": SERVICE_TOKEN_SECRET})
     admin = {"storage": "storage-admin", "ingest-0": "ingest-0-admin", "ingest-1": "ingest-1-admin",
              "gateway": "gateway-admin"}
     for service, port_name in admin.items():
@@ -483,6 +490,20 @@ def run(args, tmp: Path, procs: Processes, rules: Path, rules_in_file, targets, 
     load = subprocess.Popen(load_argv, stdout=open(tmp / "load.log", "wb"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     procs.children.append(("imdedup-load", load))
+    # Beside the phones, backend systems call the business API and retry
+    # with the same idempotency key when an answer is lost (20%). The client
+    # timeout is long, so every answer the gateway counted is one the driver
+    # saw, and their hit rates can be compared exactly.
+    business_path = tmp / "business.json"
+    business_argv = [args.load, "business", "--url", f"ws://{addr('gateway')}/v1/ws",
+                     "--token-secret", TOKEN_SECRET, "--service-token-secret", SERVICE_TOKEN_SECRET,
+                     "--rate", str(max(args.rate // 10, 10)), "--duration", f"{args.duration}s",
+                     "--users", "10", "--systems", "4", "--call-timeout", "30s",
+                     "--max-call-timeout", "30s", "--loss-ack", "0.2", "--seed", "7",
+                     "--json", str(business_path), "--quiet"]
+    business = subprocess.Popen(business_argv, stdout=open(tmp / "business.log", "wb"),
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    procs.children.append(("imdedup-load-business", business))
     notes: list[str] = []
     d = args.duration
     # Redis paused: the shards bypass the window. Storage killed and restarted:
@@ -498,6 +519,14 @@ def run(args, tmp: Path, procs: Processes, rules: Path, rules_in_file, targets, 
     except subprocess.TimeoutExpired:
         raise ProofError(f"imdedup-load did not finish within {d + 90} s\n{procs.tail('imdedup-load')}")
     procs.children.remove(("imdedup-load", load))
+    try:
+        business.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        raise ProofError(f"imdedup-load business did not finish\n{procs.tail('imdedup-load-business')}")
+    procs.children.remove(("imdedup-load-business", business))
+    if business.returncode != 0:
+        raise ProofError(f"imdedup-load business failed (status {business.returncode}):\n"
+                         f"{procs.tail('imdedup-load-business', 30)}")
     for f in faults:
         f.join(timeout=15)
         if f.errors:  # type: ignore[attr-defined]
@@ -508,7 +537,9 @@ def run(args, tmp: Path, procs: Processes, rules: Path, rules_in_file, targets, 
     t_done = time.time()
     procs.check_alive()
     report = json.loads(report_path.read_text())
+    business_report = json.loads(business_path.read_text())
     log(f"load: {report['messages']} messages at {args.rate}/s for {d} s, {report['tries']} tries; "
+        f"business: {business_report['messages']} notices, {business_report['tries']} calls; "
         f"faults: {'; '.join(notes)}")
 
     # Wait until every target was scraped after the last answer, and the rules ran on it.
@@ -589,8 +620,15 @@ def run(args, tmp: Path, procs: Processes, rules: Path, rules_in_file, targets, 
 
     # 5. Dedup hit rate: Prometheus against the driver's own counts.
     o = report["outcomes"]
-    driver_repeats = o["duplicate_window"] + o["duplicate_unique_key"]
-    driver_rate = driver_repeats / (o["stored"] + driver_repeats)
+    b = business_report["outcomes"]
+    # The ingest counts the business calls too: a retry answered from its key
+    # is a window or unique-key repeat there.
+    driver_repeats = o["duplicate_window"] + o["duplicate_unique_key"] + b["duplicate_business_key"]
+    driver_acked = o["stored"] + b["stored"] + driver_repeats
+    driver_rate = driver_repeats / driver_acked
+    # The business key's share of the gateway's answered sends (the panel's
+    # "business key" line).
+    driver_business_rate = b["duplicate_business_key"] / driver_acked
     sel = lambda outcome: f'imdedup_ingest_sends_total{{namespace="{NAMESPACE}",{outcome}}}'
     exact = prom.scalar(f"sum({sel(DUP)}) / sum({sel(ACKED)})", at)
     by_increase = prom.scalar(f"sum(increase({sel(DUP)}[{run_range}])) / "
@@ -610,6 +648,17 @@ def run(args, tmp: Path, procs: Processes, rules: Path, rules_in_file, targets, 
             failures.append(f"dedup hit rate from Prometheus ({how}) {value:.4%} differs from the "
                             f"driver's {driver_rate:.4%} by more than 1% (relative)")
 
+    gw_sel = lambda outcome: f'imdedup_gateway_sends_total{{namespace="{NAMESPACE}",{outcome}}}'
+    gw_acked = 'outcome=~"stored|duplicate_window|duplicate_unique_key|duplicate_business_key"'
+    gw_business = 'outcome="duplicate_business_key"'
+    business_rate = prom.scalar(f"sum({gw_sel(gw_business)}) / sum({gw_sel(gw_acked)})", at)
+    checked += 1
+    if driver_business_rate <= 0 or abs(business_rate - driver_business_rate) / driver_business_rate >= 0.01:
+        failures.append(f"business key hit rate from Prometheus {business_rate:.4%} differs from the "
+                        f"driver's {driver_business_rate:.4%} by more than 1% (relative), or is 0")
+    log(f"business:   stored {b['stored']}, retries caught by the business key "
+        f"{b['duplicate_business_key']}, errors {b['errors']}; business key hit rate: driver "
+        f"{driver_business_rate:.4%}, Prometheus {business_rate:.4%}")
     log(f"driver:     stored {o['stored']}, caught by the window {o['duplicate_window']}, "
         f"by the unique key {o['duplicate_unique_key']}, errors {o['errors']}")
     log(f"ingest:     {dict(sorted(counts.items()))}")

@@ -38,6 +38,34 @@ enum Scenario {
     /// The highest rate sustained with p99 ACK latency under --p99: steady
     /// steps of --duration each, bisecting between --min-rate and --max-rate.
     Search(SearchArgs),
+    /// Backend systems send notices through the business API
+    /// (POST /v1/messages) with client timeouts short enough that many
+    /// calls time out after being stored, and retry with the same
+    /// idempotency key; receivers audit what was stored [default rate 300].
+    Business(BusinessArgs),
+}
+
+#[derive(Args)]
+struct BusinessArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Backend systems, each sending as its own account with its own
+    /// service token.
+    #[arg(long, default_value_t = 8)]
+    systems: usize,
+    /// With --url: the gateway's service-token secret.
+    #[arg(long, env = "IMDEDUP_SERVICE_TOKEN_SECRET", hide_env_values = true)]
+    service_token_secret: Option<Secret>,
+    /// Client timeout of a call's first try; each retry waits twice as long
+    /// as the try before, up to --max-call-timeout, and pauses as long as
+    /// its timeout before the next.
+    #[arg(long, default_value = "5ms", value_parser = humantime::parse_duration)]
+    call_timeout: Duration,
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    max_call_timeout: Duration,
+    /// Tries per notice before its system gives up.
+    #[arg(long, default_value_t = 12)]
+    max_tries: u32,
 }
 
 #[derive(Args)]
@@ -160,6 +188,7 @@ async fn main() -> anyhow::Result<()> {
         Scenario::Steady(args) => ("steady", args),
         Scenario::Storm(args) => ("storm", args),
         Scenario::Search(search) => return run_search(search).await,
+        Scenario::Business(business) => return run_business(business).await,
     };
     let config = load_config(name, &args, args.rate)?;
     let outcome = run(config).await?;
@@ -173,6 +202,32 @@ async fn main() -> anyhow::Result<()> {
         eprintln!("HTML report written to {}", path.display());
     }
     if !outcome.audit.passed() {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+async fn run_business(args: BusinessArgs) -> anyhow::Result<()> {
+    let config = imdedup_loadtest::business::BusinessConfig {
+        load: load_config("business", &args.common, args.common.rate.or(Some(300.0)))?,
+        systems: args.systems,
+        service_token_secret: args.service_token_secret,
+        call_timeout: args.call_timeout,
+        max_call_timeout: args.max_call_timeout,
+        max_tries: args.max_tries,
+    };
+    let outcome = imdedup_loadtest::business::run(config).await?;
+    print!("{}", outcome.report.render());
+    if let Some(path) = &args.common.json {
+        std::fs::write(path, serde_json::to_vec_pretty(&outcome.report)?)?;
+        eprintln!("report written to {}", path.display());
+    }
+    if let Some(path) = &args.common.html {
+        std::fs::write(path, imdedup_loadtest::html::render(&outcome.report))?;
+        eprintln!("HTML report written to {}", path.display());
+    }
+    let key_reused = outcome.report.business.as_ref().map_or(0, |b| b.key_reused);
+    if !outcome.audit.passed() || key_reused > 0 {
         std::process::exit(1);
     }
     Ok(())
@@ -243,6 +298,8 @@ fn load_config(name: &str, args: &Common, rate: Option<f64>) -> anyhow::Result<L
     let loss = match name {
         "book" => 0.1,
         "storm" => 0.01,
+        // Its systems lose answers to their own short timeouts.
+        "business" => 0.0,
         _ => 0.001,
     };
     let time_scale = args.time_scale.unwrap_or(match name {

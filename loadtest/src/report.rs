@@ -33,6 +33,8 @@ pub struct Outcomes {
     pub stored: u64,
     pub duplicate_window: u64,
     pub duplicate_unique_key: u64,
+    /// Business API calls answered as a repeat of their idempotency key.
+    pub duplicate_business_key: u64,
     /// Error frames by code.
     pub errors: BTreeMap<String, u64>,
 }
@@ -57,15 +59,30 @@ pub struct Report {
     pub late_resends: u64,
     pub late_resends_caught_by_unique_key: u64,
     pub audit: Audit,
-    /// Throughput and latency over time.
+    /// Throughput and latency over time, by the second of the ACK.
     pub timeline: Vec<Second>,
+    /// The same by the second each message was due: how fast a message
+    /// sent at that moment got through.
+    pub due_timeline: Vec<Second>,
+    /// When the first message was due (Unix ms): second 0 of the timeline,
+    /// for lining it up with what happened elsewhere (fault scripts).
+    pub started_at_unix_ms: u64,
+    /// The `business` scenario's own figures.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub business: Option<crate::business::Figures>,
 }
 
-fn timeline(sent: &[Sent]) -> Vec<Second> {
+/// Per second of the run: the messages acknowledged in it (by the time of
+/// their ACK) or, `by_due`, the messages due in it, with their latencies.
+fn timeline(sent: &[Sent], by_due: bool) -> Vec<Second> {
     let mut seconds: BTreeMap<u64, Vec<f64>> = BTreeMap::new();
     for trace in sent.iter().map(|m| &m.trace) {
         if let Some(latency) = trace.latency {
-            let at = (trace.due_offset + latency).as_secs();
+            let at = if by_due {
+                trace.due_offset.as_secs()
+            } else {
+                (trace.due_offset + latency).as_secs()
+            };
             seconds
                 .entry(at)
                 .or_default()
@@ -115,6 +132,7 @@ impl Report {
                     "stored" => outcomes.stored += 1,
                     "duplicate_window" => outcomes.duplicate_window += 1,
                     "duplicate_unique_key" => outcomes.duplicate_unique_key += 1,
+                    "duplicate_business_key" => outcomes.duplicate_business_key += 1,
                     _ => {}
                 }
             }
@@ -123,7 +141,8 @@ impl Report {
             }
         }
         let ms = |q: f64| histogram.value_at_quantile(q) as f64 / 1000.0;
-        let timeline = timeline(sent);
+        let due_timeline = timeline(sent, true);
+        let timeline = timeline(sent, false);
         let acked = sent.iter().filter(|m| m.trace.received.is_some()).count() as f64;
         Self {
             scenario: config.scenario.clone(),
@@ -151,6 +170,9 @@ impl Report {
             late_resends_caught_by_unique_key: late_caught,
             audit,
             timeline,
+            due_timeline,
+            started_at_unix_ms: 0,
+            business: None,
         }
     }
 
@@ -181,6 +203,9 @@ impl Report {
             "  server answers   stored {}  caught by the window {}  caught by the unique key {}  errors {:?}",
             o.stored, o.duplicate_window, o.duplicate_unique_key, o.errors
         );
+        if let Some(b) = &self.business {
+            b.render(&mut out);
+        }
         if self.late_resends > 0 {
             let _ = writeln!(
                 out,

@@ -37,7 +37,7 @@ use crate::{
 };
 
 /// History pulls the audit keeps in flight at once.
-const AUDIT_PULLS_IN_FLIGHT: usize = 64;
+pub(crate) const AUDIT_PULLS_IN_FLIGHT: usize = 64;
 
 /// Where the load goes.
 #[derive(Debug, Clone)]
@@ -120,7 +120,7 @@ struct Planned {
 }
 
 /// Connect every phone at once (and a second connection each, if asked).
-async fn connect_all(
+pub(crate) async fn connect_all(
     url: &str,
     tokens: &[String],
     second: bool,
@@ -194,7 +194,7 @@ async fn add_groups(path: &Path, groups: Groups) -> anyhow::Result<()> {
 
 /// When message `n` is due: a linear ramp up to `rate` over `ramp`, then
 /// constant, whatever the answers.
-fn due_after(n: u64, rate: f64, ramp: Duration) -> Duration {
+pub(crate) fn due_after(n: u64, rate: f64, ramp: Duration) -> Duration {
     let ramp_s = ramp.as_secs_f64();
     let during_ramp = rate * ramp_s / 2.0;
     let n = n as f64;
@@ -417,6 +417,9 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
     };
 
     let started = Instant::now();
+    let started_at_unix_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
     let mut tasks = tokio::task::JoinSet::new();
     for index in order {
         let due = started + dues[index];
@@ -550,7 +553,8 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
     if let Some(delivered) = &delivered {
         result.add_followers(&histories, delivered);
     }
-    let report = Report::new(&config, &sent, sending, late_caught, result.clone());
+    let mut report = Report::new(&config, &sent, sending, late_caught, result.clone());
+    report.started_at_unix_ms = started_at_unix_ms;
     drop(phones);
     if let Some(cluster) = cluster {
         cluster.shutdown().await;

@@ -6,6 +6,8 @@
 //! Used by the demo, the load-test driver and the integration tests. It
 //! delivers what arrives; simulating a lost ACK is the caller's business.
 
+pub mod business;
+
 use std::{
     collections::{HashMap, VecDeque},
     sync::{

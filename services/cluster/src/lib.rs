@@ -33,6 +33,10 @@ use tokio_util::sync::CancellationToken;
 /// The secret behind [`LocalCluster::token`]: for local use only.
 pub const DEV_TOKEN_SECRET: &str = "imdedup-local-dev-secret-not-for-production";
 
+/// The secret behind [`LocalCluster::service_token`] (the business API's
+/// service tokens): for local use only.
+pub const DEV_SERVICE_TOKEN_SECRET: &str = "imdedup-local-dev-service-secret-not-for-production";
+
 /// Which backends the cluster runs on.
 #[derive(Clone)]
 #[allow(clippy::large_enum_variant, reason = "built once per cluster")]
@@ -62,6 +66,14 @@ pub struct ClusterOptions {
     pub max_body_bytes: usize,
     /// Gateway address; port 0 picks a free one.
     pub gateway_addr: SocketAddr,
+    /// Gateways, all in front of the same ingest shards (the first at
+    /// `gateway_addr`, the others on free ports).
+    pub gateways: usize,
+    /// The business API's service-token secret; `None` turns the API off.
+    pub service_token_secret: Option<String>,
+    /// The first gateway's business gRPC address (port 0: a free one);
+    /// served when the business API is on.
+    pub business_grpc_addr: SocketAddr,
     /// Store every copy that arrives, to show what dedup prevents. Only this
     /// local cluster offers it; the standalone ingest refuses it.
     pub dedup_off: bool,
@@ -91,6 +103,9 @@ impl ClusterOptions {
             storage_timeout: Duration::from_secs(2),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             gateway_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            gateways: 1,
+            service_token_secret: Some(DEV_SERVICE_TOKEN_SECRET.to_owned()),
+            business_grpc_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             dedup_off: false,
             authz: Authorizer::direct_only(),
             internal_tls: InternalTls::Plaintext,
@@ -131,7 +146,9 @@ struct Admin {
 }
 
 /// Serve `registry` on a fresh loopback port, ready at once.
-async fn start_admin(role: String, registry: Registry) -> anyhow::Result<Admin> {
+async fn start_admin(role: String, mut registry: Registry) -> anyhow::Result<Admin> {
+    // One process here: every service shows the same process figures.
+    imdedup_core::process::register(&mut registry);
     let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
     let addr = listener.local_addr()?;
     let readiness = Readiness::new();
@@ -149,6 +166,14 @@ async fn start_admin(role: String, registry: Registry) -> anyhow::Result<Admin> 
     })
 }
 
+/// One running gateway: its WebSocket and HTTP port, and its business
+/// gRPC port when the business API is on.
+struct RunningGateway {
+    addr: SocketAddr,
+    running: Running,
+    business_grpc: Option<(SocketAddr, Running)>,
+}
+
 /// A running local cluster.
 pub struct LocalCluster {
     options: ClusterOptions,
@@ -156,12 +181,12 @@ pub struct LocalCluster {
     storage_metrics: StoreMetrics,
     admins: Vec<Admin>,
     token_key: TokenKey,
+    service_key: Option<TokenKey>,
     storage_addr: SocketAddr,
     storage: Option<Running>,
     ingest_addrs: Vec<SocketAddr>,
     ingests: Vec<(Running, Arc<Dedup>)>,
-    gateway_addr: SocketAddr,
-    gateway: Running,
+    gateways: Vec<RunningGateway>,
 }
 
 fn spawn<F, E>(name: &'static str, serve: impl FnOnce(CancellationToken) -> F) -> Running
@@ -188,6 +213,11 @@ async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
 impl LocalCluster {
     pub async fn start(options: ClusterOptions) -> anyhow::Result<Self> {
         let token_key = TokenKey::new(options.token_secret.clone())?;
+        let service_key = options
+            .service_token_secret
+            .as_ref()
+            .map(|secret| TokenKey::new(secret.clone()))
+            .transpose()?;
 
         let storage_listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
         let storage_addr = storage_listener.local_addr()?;
@@ -269,61 +299,133 @@ impl LocalCluster {
             ingests.push((running, dedup));
         }
 
-        let gateway_listener = bind(options.gateway_addr).await?;
-        let gateway_addr = gateway_listener.local_addr()?;
-        let mut gateway_registry = Registry::default();
-        let gateway_metrics = GatewayMetrics::register(&mut gateway_registry);
-        let gateway = Arc::new(
-            Gateway::new(GatewayConfig {
-                shards: ShardMap::new(
-                    ingest_addrs
-                        .iter()
-                        .enumerate()
-                        .map(|(index, addr)| Shard {
-                            name: format!("ingest-{index}"),
-                            url: format!("http://{addr}"),
-                        })
-                        .collect(),
-                )?,
-                storage: storage_url,
-                internal_tls: options.internal_tls.clone(),
-                tokens: TokenVerifier::hs256(token_key.clone()),
-                authz: options.authz.clone(),
-                send_timeout: options.send_timeout,
-                max_body_bytes: options.max_body_bytes,
-                max_connections: 10_000,
-                max_in_flight_per_connection: 256,
-                limits: options.gateway_limits.clone(),
-                clock: Arc::clone(&options.clock),
-            })?
-            .with_metrics(gateway_metrics),
-        );
-        admins.push(start_admin("gateway".to_owned(), gateway_registry).await?);
-        let gateway = spawn("gateway", move |stop| {
-            imdedup_gateway::serve(gateway_listener, gateway, stop)
-        });
+        let shard_map = ShardMap::new(
+            ingest_addrs
+                .iter()
+                .enumerate()
+                .map(|(index, addr)| Shard {
+                    name: format!("ingest-{index}"),
+                    url: format!("http://{addr}"),
+                })
+                .collect(),
+        )?;
+        let mut gateways = Vec::new();
+        for index in 0..options.gateways.max(1) {
+            let (addr, business_addr, role) = if index == 0 {
+                (
+                    options.gateway_addr,
+                    options.business_grpc_addr,
+                    "gateway".to_owned(),
+                )
+            } else {
+                let any = SocketAddr::from(([127, 0, 0, 1], 0));
+                (any, any, format!("gateway-{index}"))
+            };
+            let gateway_listener = bind(addr).await?;
+            let gateway_addr = gateway_listener.local_addr()?;
+            let mut gateway_registry = Registry::default();
+            let gateway_metrics = GatewayMetrics::register(&mut gateway_registry);
+            let gateway = Arc::new(
+                Gateway::new(GatewayConfig {
+                    shards: shard_map.clone(),
+                    storage: storage_url.clone(),
+                    internal_tls: options.internal_tls.clone(),
+                    tokens: TokenVerifier::hs256(token_key.clone()),
+                    service_tokens: service_key
+                        .clone()
+                        .map(|key| TokenVerifier::hs256(key).for_services()),
+                    authz: options.authz.clone(),
+                    send_timeout: options.send_timeout,
+                    max_body_bytes: options.max_body_bytes,
+                    max_connections: 10_000,
+                    max_in_flight_per_connection: 256,
+                    limits: options.gateway_limits.clone(),
+                    clock: Arc::clone(&options.clock),
+                })?
+                .with_metrics(gateway_metrics),
+            );
+            admins.push(start_admin(role, gateway_registry).await?);
+            // Business clients bring their own tokens; no mutual TLS here.
+            let business_grpc = match service_key {
+                Some(_) => {
+                    let listener = bind(business_addr).await?;
+                    let business_addr = listener.local_addr()?;
+                    let gateway = Arc::clone(&gateway);
+                    let serve_options = ServeOptions {
+                        reflection: options.reflection,
+                        tls: None,
+                    };
+                    let running = spawn("business grpc", move |stop| {
+                        imdedup_gateway::business::grpc::serve(
+                            listener,
+                            gateway,
+                            serve_options,
+                            stop,
+                        )
+                    });
+                    Some((business_addr, running))
+                }
+                None => None,
+            };
+            let running = spawn("gateway", move |stop| {
+                imdedup_gateway::serve(gateway_listener, gateway, stop)
+            });
+            gateways.push(RunningGateway {
+                addr: gateway_addr,
+                running,
+                business_grpc,
+            });
+        }
 
         Ok(Self {
             options,
             storage_metrics,
             admins,
             token_key,
+            service_key,
             storage_addr,
             storage,
             ingest_addrs,
             ingests,
-            gateway_addr,
-            gateway,
+            gateways,
         })
     }
 
-    /// The phones' WebSocket URL.
+    /// The phones' WebSocket URL (of the first gateway).
     pub fn gateway_url(&self) -> String {
-        format!("ws://{}/v1/ws", self.gateway_addr)
+        format!("ws://{}/v1/ws", self.gateway_addr())
     }
 
     pub fn gateway_addr(&self) -> SocketAddr {
-        self.gateway_addr
+        self.gateways[0].addr
+    }
+
+    /// Every gateway's address (its WebSocket and business HTTP port).
+    pub fn gateway_addrs(&self) -> Vec<SocketAddr> {
+        self.gateways.iter().map(|g| g.addr).collect()
+    }
+
+    /// `http://…` URLs of the gateways' business gRPC servers (none when
+    /// the business API is off).
+    pub fn business_grpc_urls(&self) -> Vec<String> {
+        self.gateways
+            .iter()
+            .filter_map(|g| g.business_grpc.as_ref())
+            .map(|(addr, _)| format!("http://{addr}"))
+            .collect()
+    }
+
+    /// A service token for the business API: the system `service`, which
+    /// may send as each of `senders` (`"*"`: anyone), valid for a day of
+    /// the cluster's clock.
+    pub fn service_token(&self, service: &str, senders: &[&str]) -> anyhow::Result<String> {
+        let key = self
+            .service_key
+            .as_ref()
+            .context("the business API is off (no service token secret)")?;
+        let senders: Vec<String> = senders.iter().map(|s| (*s).to_owned()).collect();
+        let exp = self.options.clock.unix_seconds() + 86_400;
+        Ok(key.mint_service(&Sender::parse(service)?, &senders, exp))
     }
 
     /// `http://…` URLs of the ingest shards' gRPC servers.
@@ -400,7 +502,12 @@ impl LocalCluster {
         for admin in &self.admins {
             admin.readiness.set_draining();
         }
-        self.gateway.stop().await;
+        for gateway in self.gateways {
+            if let Some((_, business)) = gateway.business_grpc {
+                business.stop().await;
+            }
+            gateway.running.stop().await;
+        }
         for (ingest, _) in self.ingests {
             ingest.stop().await;
         }

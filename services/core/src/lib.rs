@@ -28,6 +28,7 @@ pub mod clock;
 pub mod convert;
 pub mod error;
 pub mod metrics;
+pub mod process;
 pub mod model;
 pub mod remote_store;
 pub mod routing;

@@ -70,6 +70,11 @@ const OUTCOMES: [&str; 5] = [
     "failed",
 ];
 
+/// The gateway's `outcome` of a business API call answered as a repeat of
+/// an earlier call with its idempotency key, whichever catcher (window or
+/// unique key) recognised it. The gateway's sends counter only.
+pub const DUPLICATE_BUSINESS_KEY: &str = "duplicate_business_key";
+
 /// Decrements its gauge when dropped: one unit of "in progress".
 #[must_use = "the gauge goes down when this is dropped"]
 pub struct GaugeGuard(Gauge);
@@ -218,7 +223,7 @@ impl GatewayMetrics {
         );
         // Known series start at 0, so rate() and increase() see their
         // first counts too.
-        for outcome in OUTCOMES {
+        for outcome in OUTCOMES.into_iter().chain([DUPLICATE_BUSINESS_KEY]) {
             drop(m.sends.get_or_create(&OutcomeLabels { outcome }));
         }
         for kind in ErrorKind::ALL {
@@ -281,6 +286,22 @@ impl GatewayMetrics {
         self.ack_duration.observe(elapsed.as_secs_f64());
     }
 
+    /// A business API call was answered `elapsed` after it arrived: counted
+    /// like a phone's send, but a repeat as [`DUPLICATE_BUSINESS_KEY`].
+    pub fn business_send_answered(&self, result: Result<Outcome, ErrorKind>, elapsed: Duration) {
+        match result {
+            Ok(outcome) if outcome.is_duplicate() => {
+                self.sends
+                    .get_or_create(&OutcomeLabels {
+                        outcome: DUPLICATE_BUSINESS_KEY,
+                    })
+                    .inc();
+                self.ack_duration.observe(elapsed.as_secs_f64());
+            }
+            result => self.send_answered(result, elapsed),
+        }
+    }
+
     /// Set whether the link to ingest shard `shard` works.
     pub fn set_shard_up(&self, shard: &str, up: bool) {
         self.shard_up
@@ -308,6 +329,7 @@ impl GatewayMetrics {
 pub struct WindowMetrics {
     claims: Family<ResultLabels, Counter>,
     bypassed: Counter,
+    warming: Counter,
     operations: Durations<WindowOperationLabels>,
 }
 
@@ -316,6 +338,7 @@ impl Default for WindowMetrics {
         Self {
             claims: Family::default(),
             bypassed: Counter::default(),
+            warming: Counter::default(),
             operations: durations(),
         }
     }
@@ -331,8 +354,13 @@ impl WindowMetrics {
         );
         registry.register(
             "imdedup_window_bypassed",
-            "Sends decided without the window (window down or breaker open)",
+            "Sends decided without the window (window down, breaker open, or warming up)",
             m.bypassed.clone(),
+        );
+        registry.register(
+            "imdedup_window_warmup_skipped",
+            "Claims sent past the window while it warms up after an outage (a growing share goes to it)",
+            m.warming.clone(),
         );
         for result in ["owned", "seen", "in_flight", "error"] {
             drop(m.claims.get_or_create(&ResultLabels { result }));
@@ -349,6 +377,11 @@ impl WindowMetrics {
     /// A claim answered `result`: `owned`, `seen`, `in_flight` or `error`.
     pub fn claimed(&self, result: &'static str) {
         self.claims.get_or_create(&ResultLabels { result }).inc();
+    }
+
+    /// A claim went past the window because it is warming up.
+    pub fn warmup_skipped(&self) {
+        self.warming.inc();
     }
 
     pub fn bypassed(&self) {
@@ -376,6 +409,8 @@ pub struct IngestMetrics {
     storage_operations: Durations<OperationLabels>,
     storage_errors: Family<OperationLabels, Counter>,
     shed: Family<ReasonLabels, Counter>,
+    db_limit: Gauge,
+    db_in_flight: Gauge,
     pub window: WindowMetrics,
 }
 
@@ -388,6 +423,8 @@ impl Default for IngestMetrics {
     fn default() -> Self {
         Self {
             shed: Family::default(),
+            db_limit: Gauge::default(),
+            db_in_flight: Gauge::default(),
             shard_info: Gauge::default(),
             in_flight: Gauge::default(),
             sends: Family::default(),
@@ -448,10 +485,22 @@ impl IngestMetrics {
         );
         registry.register(
             "imdedup_ingest_shed",
-            "Sends dropped before their database operation, by reason (deadline: nobody waits for the answer any more)",
+            "Sends dropped before their database operation, by reason (deadline: nobody waits for the answer any more; db_limit: the adaptive limit on inserts in flight was reached)",
             m.shed.clone(),
         );
-        drop(m.shed.get_or_create(&ReasonLabels { reason: "deadline" }));
+        for reason in ["deadline", "db_limit"] {
+            drop(m.shed.get_or_create(&ReasonLabels { reason }));
+        }
+        registry.register(
+            "imdedup_ingest_db_concurrency_limit",
+            "The adaptive limit on inserts in flight to the database, now",
+            m.db_limit.clone(),
+        );
+        registry.register(
+            "imdedup_ingest_db_in_flight",
+            "Inserts in flight to the database",
+            m.db_in_flight.clone(),
+        );
         for outcome in OUTCOMES {
             drop(m.sends.get_or_create(&OutcomeLabels { outcome }));
         }
@@ -502,6 +551,21 @@ impl IngestMetrics {
     }
 
     /// A send dropped before its database operation.
+    /// The adaptive limit on inserts in flight moved to `limit`.
+    pub fn set_db_limit(&self, limit: usize) {
+        self.db_limit.set(i64::try_from(limit).unwrap_or(i64::MAX));
+    }
+
+    /// One more insert in flight to the database, until the guard drops.
+    pub fn db_insert_started(&self) -> GaugeGuard {
+        GaugeGuard::up(&self.db_in_flight)
+    }
+
+    /// How many sends were shed for `reason`.
+    pub fn shed_count(&self, reason: &'static str) -> u64 {
+        self.shed.get_or_create(&ReasonLabels { reason }).get()
+    }
+
     pub fn shed(&self, reason: &'static str) {
         self.shed.get_or_create(&ReasonLabels { reason }).inc();
     }
@@ -807,6 +871,29 @@ mod tests {
         assert!(text.contains("# TYPE imdedup_ingest_shard_info gauge\n"));
         assert!(text.contains("# TYPE imdedup_gateway_ack_duration_seconds histogram\n"));
         assert!(text.ends_with("# EOF\n"));
+    }
+
+    #[test]
+    fn business_repeats_are_counted_under_their_own_outcome() {
+        let mut registry = Registry::default();
+        let gateway = GatewayMetrics::register(&mut registry);
+        let sends = |outcome| {
+            sum_samples(
+                &render(&registry),
+                "imdedup_gateway_sends_total",
+                &[("outcome", outcome)],
+            )
+        };
+        assert_eq!(sends(DUPLICATE_BUSINESS_KEY), Some(0.0), "starts at 0");
+        let ms = Duration::from_millis(1);
+        gateway.business_send_answered(Ok(Outcome::Stored), ms);
+        gateway.business_send_answered(Ok(Outcome::DuplicateWindow), ms);
+        gateway.business_send_answered(Ok(Outcome::DuplicateUniqueKey), ms);
+        gateway.business_send_answered(Err(ErrorKind::IdReused), ms);
+        assert_eq!(sends("stored"), Some(1.0));
+        assert_eq!(sends(DUPLICATE_BUSINESS_KEY), Some(2.0));
+        assert_eq!(sends("duplicate_window"), Some(0.0));
+        assert_eq!(sends("rejected"), Some(1.0));
     }
 
     #[test]

@@ -10,6 +10,11 @@ use crate::Error;
 pub const MAX_CLIENT_MSG_ID_BYTES: usize = 64;
 /// Largest sender name, in bytes (the `sub` of a token).
 pub const MAX_SENDER_BYTES: usize = 128;
+/// Largest idempotency key of the business API, in bytes.
+pub const MAX_IDEMPOTENCY_KEY_BYTES: usize = 255;
+/// The prefix of every client message ID derived from a business
+/// idempotency key. Reserved: phones may not send IDs that start with it.
+pub const BUSINESS_ID_PREFIX: &[u8] = b"bk:";
 /// Largest conversation ID, in bytes.
 pub const MAX_CONVERSATION_BYTES: usize = 128;
 /// Default largest message body, in bytes of UTF-8.
@@ -107,6 +112,56 @@ impl ClientMsgId {
 
     pub fn into_bytes(self) -> Vec<u8> {
         self.0
+    }
+}
+
+impl ClientMsgId {
+    /// The message ID of a business API call: `bk:` and the SHA-256 of the
+    /// idempotency key (35 bytes). Deterministic, so every retry of a call,
+    /// on any gateway, is the same message to the dedup machinery (window,
+    /// in-flight join, unique key); the prefix keeps it apart from every
+    /// ID a phone may choose.
+    pub fn for_business_key(key: &IdempotencyKey) -> Self {
+        use sha2::{Digest, Sha256};
+        let mut id = BUSINESS_ID_PREFIX.to_vec();
+        id.extend_from_slice(&Sha256::digest(key.as_bytes()));
+        Self(id)
+    }
+
+    /// Whether the ID is in the space reserved for business keys.
+    pub fn is_reserved_for_business(raw: &[u8]) -> bool {
+        raw.starts_with(BUSINESS_ID_PREFIX)
+    }
+}
+
+/// A business system's idempotency key: 1 to 255 bytes, compared exactly.
+/// The same key from the same sending account is the same request.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct IdempotencyKey(Vec<u8>);
+
+impl IdempotencyKey {
+    pub fn parse(raw: impl Into<Vec<u8>>) -> Result<Self, Error> {
+        let raw = raw.into();
+        if raw.is_empty() {
+            return Err(Error::invalid("idempotency key is empty"));
+        }
+        if raw.len() > MAX_IDEMPOTENCY_KEY_BYTES {
+            return Err(Error::invalid(format!(
+                "idempotency key is {} bytes, more than the limit of {MAX_IDEMPOTENCY_KEY_BYTES}",
+                raw.len()
+            )));
+        }
+        Ok(Self(raw))
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "IdempotencyKey({} bytes)", self.0.len())
     }
 }
 
@@ -332,6 +387,32 @@ mod tests {
         let err = ClientMsgId::parse(vec![7; 65]).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::InvalidArgument);
         assert!(err.message().contains("65 bytes"), "{err}");
+    }
+
+    #[test]
+    fn a_business_key_gives_one_reserved_id_that_fits() {
+        let key = IdempotencyKey::parse(b"order-1234:shipped".to_vec()).unwrap();
+        let id = ClientMsgId::for_business_key(&key);
+        assert_eq!(id, ClientMsgId::for_business_key(&key), "deterministic");
+        assert_eq!(id.as_bytes().len(), 35);
+        assert!(id.as_bytes().len() <= MAX_CLIENT_MSG_ID_BYTES);
+        assert!(ClientMsgId::is_reserved_for_business(id.as_bytes()));
+        assert!(ClientMsgId::parse(id.as_bytes().to_vec()).is_ok());
+        // Keys are compared exactly.
+        let other = IdempotencyKey::parse(b"Order-1234:shipped".to_vec()).unwrap();
+        assert_ne!(ClientMsgId::for_business_key(&other), id);
+        assert!(!ClientMsgId::is_reserved_for_business(b"bk"));
+        assert!(!ClientMsgId::is_reserved_for_business(b"BK:x"));
+    }
+
+    #[test]
+    fn idempotency_keys_are_one_to_255_bytes() {
+        assert!(IdempotencyKey::parse(Vec::new()).is_err());
+        assert!(IdempotencyKey::parse(vec![b'k'; 255]).is_ok());
+        let err = IdempotencyKey::parse(vec![b'k'; 256]).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidArgument);
+        assert!(err.message().contains("256 bytes"), "{err}");
+        assert!(!format!("{:?}", IdempotencyKey::parse("secret-ish").unwrap()).contains("secret"));
     }
 
     #[test]

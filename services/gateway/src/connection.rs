@@ -11,7 +11,7 @@ use axum::extract::ws::{CloseFrame, Message, WebSocket, close_code};
 use futures_util::{SinkExt, StreamExt};
 use imdedup_core::{
     Error, ErrorKind, convert,
-    model::{ConversationId, HistoryQuery, Sender, StoredMessage},
+    model::{ClientMsgId, ConversationId, HistoryQuery, Sender, StoredMessage},
 };
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
@@ -331,13 +331,21 @@ fn message(encoded: Encoded) -> Message {
 async fn send(gateway: &Gateway, sender: Sender, cmd: SendCmd) -> Outbound {
     let to = ReplyTo::send(&cmd);
     let id_b64 = cmd.id_b64;
-    let validated = convert::new_message(
-        sender.as_str().to_owned(),
-        cmd.id,
-        cmd.conversation,
-        cmd.body,
-        gateway.config.max_body_bytes,
-    );
+    let validated = if ClientMsgId::is_reserved_for_business(&cmd.id) {
+        // Those IDs are derived from business idempotency keys: a phone
+        // must not be able to answer for, or collide with, a business call.
+        Err(Error::invalid(
+            "client message ids starting with \"bk:\" are reserved for the business API",
+        ))
+    } else {
+        convert::new_message(
+            sender.as_str().to_owned(),
+            cmd.id,
+            cmd.conversation,
+            cmd.body,
+            gateway.config.max_body_bytes,
+        )
+    };
     let authorized = match validated {
         Ok(message) => gateway
             .config
@@ -381,11 +389,17 @@ async fn send(gateway: &Gateway, sender: Sender, cmd: SendCmd) -> Outbound {
 /// phone (a rolling update can change limits between hops): not stored,
 /// resend. The text says what to do, never which node, file or driver
 /// failed; the full cause goes to the log.
-fn for_phone(error: Error) -> Error {
+pub(crate) fn for_phone(error: Error) -> Error {
     if error.kind() == ErrorKind::IdReused {
         return error;
     }
-    tracing::warn!(error = %error, "backend error");
+    if error.kind() == ErrorKind::Overloaded {
+        // Refusals under load come by the thousand and are counted in the
+        // metrics: a log line each would add to the load.
+        tracing::debug!(error = %error, "backend busy");
+    } else {
+        tracing::warn!(error = %error, "backend error");
+    }
     let (kind, message) = match error.kind() {
         ErrorKind::MaybeStored => (
             ErrorKind::MaybeStored,
@@ -412,8 +426,22 @@ fn for_phone(error: Error) -> Error {
             "the service is unavailable; not stored: resend with the same id",
         ),
     };
-    Error::new(kind, message)
+    // The backend's hint when it gave one, else a pause that spreads
+    // resends out instead of bringing them straight back.
+    let retry_after = error.retry_after().or(match kind {
+        ErrorKind::Overloaded => Some(crate::BUSY_RETRY_AFTER),
+        ErrorKind::Unavailable => Some(UNAVAILABLE_RETRY_AFTER),
+        _ => None,
+    });
+    let phone = Error::new(kind, message);
+    match retry_after {
+        Some(after) => phone.with_retry_after(after),
+        None => phone,
+    }
 }
+
+/// How long a phone is asked to wait after `unavailable`.
+const UNAVAILABLE_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 async fn history(gateway: &Gateway, sender: &Sender, cmd: HistoryCmd) -> Outbound {
     let to = ReplyTo::history(&cmd);
@@ -484,6 +512,11 @@ mod tests {
             let kind = error.kind();
             let phone = for_phone(error);
             assert_eq!(phone.kind(), kind, "the kind is kept");
+            assert_eq!(
+                phone.retry_after().is_some(),
+                matches!(kind, ErrorKind::Overloaded | ErrorKind::Unavailable),
+                "{kind:?}: busy and unavailable answers say when to come back"
+            );
             for internal in ["10.1.2.3", "cql", "/var", "/data", "ingest-", "sqlite"] {
                 assert!(
                     !phone.message().contains(internal),
@@ -497,6 +530,12 @@ mod tests {
             server_id: 7,
             seq: 3,
         };
+        let hinted = for_phone(Error::overloaded("db limit", Duration::from_millis(70)));
+        assert_eq!(
+            hinted.retry_after(),
+            Some(Duration::from_millis(70)),
+            "the backend's hint is kept"
+        );
         let reused = for_phone(Error::id_reused(receipt));
         assert_eq!(
             reused.original(),

@@ -3,6 +3,7 @@
 //! clear error) comes back on the same connection.
 
 pub mod authz;
+pub mod business;
 pub mod connection;
 pub mod frames;
 pub mod limits;
@@ -16,7 +17,7 @@ use axum::{
     extract::{ConnectInfo, Query, State, WebSocketUpgrade},
     http::{HeaderMap, StatusCode, header},
     response::{IntoResponse, Response},
-    routing::get,
+    routing::{get, post},
 };
 use imdedup_core::{
     Error,
@@ -56,6 +57,9 @@ pub struct GatewayConfig {
     pub internal_tls: InternalTls,
     /// Verifies the tokens phones connect with.
     pub tokens: TokenVerifier,
+    /// Verifies the service tokens of the business API
+    /// ([`TokenVerifier::for_services`]); `None` turns the API off.
+    pub service_tokens: Option<TokenVerifier>,
     /// Who may send to and read each conversation.
     pub authz: authz::Authorizer,
     /// Deadline of one send through ingest and storage.
@@ -156,10 +160,12 @@ struct AppState {
     shutdown: CancellationToken,
 }
 
-/// The HTTP routes: `/v1/ws` (the phone protocol), `/healthz`, `/readyz`.
+/// The HTTP routes: `/v1/ws` (the phone protocol), `/v1/messages` (the
+/// business API), `/healthz`, `/readyz`.
 fn router(state: AppState) -> Router {
     Router::new()
         .route("/v1/ws", get(upgrade))
+        .route("/v1/messages", post(business_message))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
         .with_state(state)
@@ -181,6 +187,21 @@ fn refuse(status: StatusCode, error: Error) -> Response {
         "message": error.message(),
     });
     (status, Json(body)).into_response()
+}
+
+async fn business_message(
+    State(state): State<AppState>,
+    ConnectInfo(admission): ConnectInfo<Admission>,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> Response {
+    if state.shutdown.is_cancelled() {
+        return refuse(
+            StatusCode::SERVICE_UNAVAILABLE,
+            Error::unavailable("gateway is shutting down"),
+        );
+    }
+    business::http::post(&state.gateway, headers, body, || admission.authenticated()).await
 }
 
 /// The token from `Authorization: Bearer …`, or else the `token` query

@@ -10,7 +10,9 @@ use std::{
 use anyhow::Context;
 
 use clap::Args;
-use imdedup_cluster::{Backends, ClusterOptions, DEV_TOKEN_SECRET, LocalCluster};
+use imdedup_cluster::{
+    Backends, ClusterOptions, DEV_SERVICE_TOKEN_SECRET, DEV_TOKEN_SECRET, LocalCluster,
+};
 use imdedup_core::{clock::SystemClock, secret::redact_url};
 
 use crate::{authz::AuthzMode, backends::LocalBackendArgs};
@@ -18,9 +20,13 @@ use imdedup_gateway::authz::{Authorizer, GroupsFile};
 
 #[derive(Debug, Args)]
 pub struct DevArgs {
-    /// Address of the gateway's WebSocket server.
+    /// Address of the gateway's WebSocket server (and of the business
+    /// API's `POST /v1/messages`).
     #[arg(long, default_value = "127.0.0.1:7100")]
     listen: SocketAddr,
+    /// Address of the business API's gRPC server.
+    #[arg(long, default_value = "127.0.0.1:7110")]
+    business_grpc_listen: SocketAddr,
     /// Directory of the embedded database; kept between runs.
     #[arg(long, default_value = "imdedup-data")]
     data_dir: PathBuf,
@@ -44,6 +50,7 @@ pub struct DevArgs {
 pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let mut options = ClusterOptions::new(&args.data_dir, Arc::new(SystemClock));
     options.gateway_addr = args.listen;
+    options.business_grpc_addr = args.business_grpc_listen;
     options.shards = args.shards;
     args.backends.apply(&mut options)?;
     let groups_file = args
@@ -95,6 +102,28 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         cluster.gateway_url()
     );
     println!(r#"  {{"type":"send","id":"m1","conversation":"dm:ana:ben","body":"hello"}}"#);
+    // The business API, for a system account that may send as itself.
+    let bot = "orders-bot";
+    let service_token = cluster.service_token(bot, &[bot])?;
+    println!("Business API (service token secret {DEV_SERVICE_TOKEN_SECRET:?}, dev only):");
+    println!(
+        "  HTTP http://{}/v1/messages   gRPC {} (imdedup.v1.BusinessService)",
+        args.listen,
+        cluster.business_grpc_urls().join(" ")
+    );
+    println!("  service token for {bot} (senders: {bot}): {service_token}");
+    let to = args.users.first().map_or("ana", String::as_str);
+    let conversation = if to < bot {
+        format!("dm:{to}:{bot}")
+    } else {
+        format!("dm:{bot}:{to}")
+    };
+    println!(
+        "  curl -sS http://{}/v1/messages -H 'Authorization: Bearer {service_token}' \\\n    \
+         -H 'Idempotency-Key: order-1234:shipped' -H 'Content-Type: application/json' \\\n    \
+         -d '{{\"sender\":\"{bot}\",\"conversation\":\"{conversation}\",\"body\":\"Your order shipped\"}}'",
+        args.listen
+    );
     println!("Ctrl-C stops.");
     crate::shutdown::signal().await;
     cluster.shutdown().await;

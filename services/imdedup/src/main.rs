@@ -48,7 +48,8 @@ enum Command {
     Gateway(services::GatewayArgs),
     /// Create or update the ScyllaDB schema, then exit.
     Migrate(services::MigrateArgs),
-    /// Mint a token for a user, signed with the gateway's secret.
+    /// Mint a token for a user, signed with the gateway's secret; or, with
+    /// --service, a service token for the business API.
     Token(services::TokenArgs),
     /// Answer group membership (`imdedup.v1.MembershipService`) from a
     /// groups file, for gateways started with --membership-url.

@@ -19,6 +19,7 @@ use imdedup_core::{
 use imdedup_gateway::{Gateway, GatewayConfig};
 use imdedup_ingest::{
     ConnectingWindow, Dedup, MemoryWindow, MemoryWindowOptions, RedisWindow, RedisWindowOptions,
+    db_limit::DbLimitOptions,
 };
 use imdedup_storage::{ScyllaOptions, ScyllaStore, SqliteOptions, SqliteStore};
 
@@ -123,6 +124,18 @@ pub struct IngestArgs {
     /// Time given to sends in flight after SIGTERM.
     #[arg(long, env = "IMDEDUP_GRACE", default_value = "10s", value_parser = duration)]
     pub grace: Duration,
+    /// Inserts in flight to the database at start; the limit then adapts
+    /// (AIMD: +1 per insert in good time, -10% per failed or slow one)
+    /// between the next two bounds.
+    #[arg(long, env = "IMDEDUP_DB_CONCURRENCY_INITIAL", default_value_t = 64)]
+    pub db_concurrency_initial: usize,
+    #[arg(long, env = "IMDEDUP_DB_CONCURRENCY_MIN", default_value_t = 8)]
+    pub db_concurrency_min: usize,
+    #[arg(long, env = "IMDEDUP_DB_CONCURRENCY_MAX", default_value_t = 1024)]
+    pub db_concurrency_max: usize,
+    /// An insert slower than this lowers the limit, as a failed one does.
+    #[arg(long, env = "IMDEDUP_DB_SLOW_INSERT", default_value = "500ms", value_parser = duration)]
+    pub db_slow_insert: Duration,
     /// Refused: switching dedup off exists only for demonstrations, in
     /// local mode (`imdedup demo --no-dedup`, `imdedup dev --no-dedup`,
     /// `imdedup-load --embedded --no-dedup`).
@@ -177,6 +190,8 @@ pub struct GatewayArgs {
     pub storage: String,
     #[command(flatten)]
     pub tokens: TokenArgsForGateway,
+    #[command(flatten)]
+    pub business: BusinessArgs,
     /// Deadline of one send through ingest and storage.
     #[arg(long, env = "IMDEDUP_SEND_TIMEOUT", default_value = "5s", value_parser = duration)]
     pub send_timeout: Duration,
@@ -254,17 +269,92 @@ impl TokenArgsForGateway {
     }
 }
 
+/// The business API (`POST /v1/messages` on the gateway's port, and
+/// `imdedup.v1.BusinessService` on its own port): off unless a service-token
+/// key is given.
+#[derive(Debug, Args)]
+pub struct BusinessArgs {
+    /// HS256 secret of the business systems' service tokens (at least 32
+    /// bytes; keep it apart from --token-secret). Turns the business API on.
+    #[arg(long, env = "IMDEDUP_SERVICE_TOKEN_SECRET", hide_env_values = true)]
+    pub service_token_secret: Option<Secret>,
+    /// Public keys (JWKS) that sign service tokens; read again when the file
+    /// changes. Turns the business API on.
+    #[arg(long, env = "IMDEDUP_SERVICE_JWKS_FILE")]
+    pub service_jwks_file: Option<PathBuf>,
+    /// Address of the business API's gRPC server
+    /// (imdedup.v1.BusinessService); none unless given (e.g. 0.0.0.0:7110).
+    #[arg(long, env = "IMDEDUP_BUSINESS_GRPC_LISTEN")]
+    pub business_grpc_listen: Option<SocketAddr>,
+    /// Answer gRPC server reflection on the business gRPC port (for grpcurl
+    /// without the protos).
+    #[arg(long, env = "IMDEDUP_GRPC_REFLECTION")]
+    pub grpc_reflection: bool,
+}
+
+impl BusinessArgs {
+    /// The service-token verifier (`None`: the business API is off), with
+    /// the phone tokens' leeway and longest lifetime.
+    fn verifier(&self, tokens: &TokenArgsForGateway) -> anyhow::Result<Option<TokenVerifier>> {
+        if self.service_token_secret.is_none() && self.service_jwks_file.is_none() {
+            if self.business_grpc_listen.is_some() {
+                anyhow::bail!(
+                    "--business-grpc-listen needs service tokens: give --service-token-secret \
+                     or --service-jwks-file"
+                );
+            }
+            return Ok(None);
+        }
+        let secret = self
+            .service_token_secret
+            .as_ref()
+            .map(|s| TokenKey::new(s.expose()))
+            .transpose()
+            .context("--service-token-secret")?;
+        let jwks = self
+            .service_jwks_file
+            .as_ref()
+            .map(Jwks::open)
+            .transpose()
+            .context("--service-jwks-file")?;
+        let policy = TokenPolicy {
+            leeway: tokens.token_leeway,
+            max_lifetime: tokens.token_max_lifetime,
+            ..TokenPolicy::default()
+        };
+        Ok(Some(
+            TokenVerifier::new(secret, jwks, policy)?.for_services(),
+        ))
+    }
+}
+
 #[derive(Debug, Args)]
 pub struct TokenArgs {
-    /// The user the token names.
-    #[arg(long)]
-    pub user: String,
+    /// The user a phone token names.
+    #[arg(long, required_unless_present = "service", conflicts_with = "service")]
+    pub user: Option<String>,
+    /// Mint a service token (the business API) for this system instead,
+    /// e.g. orders-bot; signed with --service-token-secret.
+    #[arg(long, requires = "senders")]
+    pub service: Option<String>,
+    /// With --service: the accounts the system may send as,
+    /// comma-separated; `*` means any account.
+    #[arg(long, value_delimiter = ',', requires = "service")]
+    pub senders: Vec<String>,
     /// How long the token is valid.
     #[arg(long, default_value = "24h", value_parser = duration)]
     pub ttl: Duration,
-    /// HS256 secret, the gateway's.
-    #[arg(long, env = "IMDEDUP_TOKEN_SECRET", hide_env_values = true)]
-    pub token_secret: Secret,
+    /// HS256 secret, the gateway's (phone tokens).
+    #[arg(
+        long,
+        env = "IMDEDUP_TOKEN_SECRET",
+        hide_env_values = true,
+        required_unless_present = "service"
+    )]
+    pub token_secret: Option<Secret>,
+    /// HS256 secret of service tokens, the gateway's --service-token-secret.
+    #[arg(long, env = "IMDEDUP_SERVICE_TOKEN_SECRET", hide_env_values = true)]
+    pub service_token_secret: Option<Secret>,
 }
 
 pub(crate) async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
@@ -305,6 +395,8 @@ where
     E: std::error::Error + Send + Sync + 'static,
 {
     let admin_listener = bind(admin_listen).await?;
+    let mut registry = registry;
+    imdedup_core::process::register(&mut registry);
     let readiness = Readiness::new();
     let admin_stop = CancellationToken::new();
     let admin = tokio::spawn(serve_admin(
@@ -508,8 +600,14 @@ pub async fn ingest(args: IngestArgs) -> anyhow::Result<()> {
     let shard_map = ShardMap::parse(&args.shards)
         .map(|map| map.version())
         .unwrap_or_default();
-    let mut dedup =
-        Dedup::new(window, Arc::clone(&store), args.storage_timeout).with_metrics(metrics);
+    let mut dedup = Dedup::new(window, Arc::clone(&store), args.storage_timeout)
+        .with_metrics(metrics)
+        .with_db_limit(DbLimitOptions {
+            initial: args.db_concurrency_initial,
+            min: args.db_concurrency_min,
+            max: args.db_concurrency_max,
+            slow: args.db_slow_insert,
+        });
     if let Some(ownership) = ownership {
         dedup = dedup.with_ownership(ownership);
     }
@@ -540,6 +638,7 @@ impl GatewayArgs {
             shards: ShardMap::parse(&self.shards).context("--shards")?,
             storage: self.storage.clone(),
             tokens: self.tokens.verifier()?,
+            service_tokens: self.business.verifier(&self.tokens)?,
             authz: self.authz.authorizer(&internal_tls)?,
             internal_tls,
             send_timeout: self.send_timeout,
@@ -566,15 +665,55 @@ pub async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
     crate::authz::announce(&gateway.config.authz, &args.authz);
     crate::tls::announce(&gateway.config.internal_tls);
     let listener = bind(args.listen).await?;
+    let business_listener = match args.business.business_grpc_listen {
+        Some(addr) => Some(bind(addr).await?),
+        None => None,
+    };
     let shards: Vec<_> = gateway.shards.map().names().collect();
     let shard_map = gateway.shards.map().version();
     tracing::info!(listen = %args.listen, ?shards, %shard_map, "gateway serving at ws://{}/v1/ws", args.listen);
+    match (
+        &gateway.config.service_tokens,
+        args.business.business_grpc_listen,
+    ) {
+        (None, _) => {
+            tracing::info!("business API off (no --service-token-secret or --service-jwks-file)")
+        }
+        (Some(_), grpc) => tracing::info!(
+            http = %format!("http://{}/v1/messages", args.listen),
+            grpc = ?grpc,
+            "business API on"
+        ),
+    }
+    // Business systems bring their own tokens: the port is served like the
+    // phones' (TLS, if any, ends in front of the gateway).
+    let business_options = imdedup_core::server::ServeOptions {
+        reflection: args.business.grpc_reflection,
+        tls: None,
+    };
     serve_with_admin(
         "gateway",
         args.grace,
         args.admin_listen,
         registry,
-        move |stop| imdedup_gateway::serve(listener, gateway, stop),
+        move |stop| async move {
+            let business = async {
+                match business_listener {
+                    Some(listener) => imdedup_gateway::business::grpc::serve(
+                        listener,
+                        Arc::clone(&gateway),
+                        business_options,
+                        stop.clone(),
+                    )
+                    .await
+                    .map_err(std::io::Error::other),
+                    None => Ok(()),
+                }
+            };
+            let phones = imdedup_gateway::serve(listener, Arc::clone(&gateway), stop.clone());
+            let (phones, business) = tokio::join!(phones, business);
+            phones.and(business)
+        },
     )
     .await
 }
@@ -603,17 +742,34 @@ pub async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
 impl TokenArgs {
     /// `--check-config`: the flags and environment parse and make sense.
     pub fn check(&self) -> anyhow::Result<()> {
-        TokenKey::new(self.token_secret.expose())?;
-        Sender::parse(self.user.clone())?;
-        Ok(())
+        self.mint(0).map(drop)
+    }
+
+    /// The token the flags ask for, expiring at `exp`.
+    fn mint(&self, exp: u64) -> anyhow::Result<String> {
+        if let Some(service) = &self.service {
+            let secret = self.service_token_secret.as_ref().context(
+                "a service token needs --service-token-secret (or IMDEDUP_SERVICE_TOKEN_SECRET)",
+            )?;
+            let key = TokenKey::new(secret.expose()).context("--service-token-secret")?;
+            for sender in self.senders.iter().filter(|s| *s != "*") {
+                Sender::parse(sender.clone()).context("--senders")?;
+            }
+            return Ok(key.mint_service(&Sender::parse(service.clone())?, &self.senders, exp));
+        }
+        let secret = self
+            .token_secret
+            .as_ref()
+            .context("a phone token needs --token-secret (or IMDEDUP_TOKEN_SECRET)")?;
+        let key = TokenKey::new(secret.expose()).context("--token-secret")?;
+        let user = self.user.clone().context("--user")?;
+        Ok(key.mint(&Sender::parse(user)?, exp))
     }
 }
 
 pub fn token(args: TokenArgs) -> anyhow::Result<()> {
-    let key = TokenKey::new(args.token_secret.expose())?;
-    let sender = Sender::parse(args.user)?;
     let exp = SystemClock.unix_seconds() + args.ttl.as_secs();
-    println!("{}", key.mint(&sender, exp));
+    println!("{}", args.mint(exp)?);
     Ok(())
 }
 
@@ -763,6 +919,78 @@ mod tests {
         };
         assert!(parse(&[]), "migrating at startup is the default");
         assert!(!parse(&["--scylla-migrate", "false"]));
+    }
+
+    #[test]
+    fn the_business_api_is_off_without_a_service_key_and_its_port_needs_one() {
+        let parse = |extra: &[&str]| {
+            let mut argv = vec![
+                "gateway",
+                "--shards",
+                "http://a:7200",
+                "--token-secret",
+                "a-phone-secret-of-at-least-32-bytes!",
+                "--insecure-plaintext",
+            ];
+            argv.extend_from_slice(extra);
+            Wrap::<GatewayArgs>::try_parse_from(argv).unwrap().inner
+        };
+        assert!(parse(&[]).config().unwrap().service_tokens.is_none());
+        let err = parse(&["--business-grpc-listen", "127.0.0.1:7110"])
+            .config()
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("--service-token-secret"), "{err}");
+        let on = parse(&[
+            "--service-token-secret",
+            "a-service-secret-of-at-least-32-bytes",
+            "--business-grpc-listen",
+            "127.0.0.1:7110",
+        ]);
+        assert!(on.config().unwrap().service_tokens.is_some());
+        assert!(
+            format!("{on:?}").contains("Secret(..)"),
+            "the secret never shows"
+        );
+        assert!(
+            parse(&["--service-token-secret", "short"])
+                .config()
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn token_mints_service_tokens_the_gateway_accepts_for_the_business_api() {
+        let secret = "a-service-secret-of-at-least-32-bytes";
+        let args = Wrap::<TokenArgs>::try_parse_from([
+            "token",
+            "--service",
+            "orders",
+            "--senders",
+            "orders-bot,ana",
+            "--service-token-secret",
+            secret,
+        ])
+        .unwrap()
+        .inner;
+        let now = SystemClock.unix_seconds();
+        let token = args.mint(now + 600).unwrap();
+        let services = TokenVerifier::hs256(TokenKey::new(secret).unwrap()).for_services();
+        let verified = services.verify(&token, now).unwrap();
+        assert_eq!(verified.sender.as_str(), "orders");
+        assert!(
+            verified
+                .senders
+                .unwrap()
+                .allows(&Sender::parse("ana").unwrap())
+        );
+        // --senders belongs to --service, and --service needs --senders.
+        assert!(Wrap::<TokenArgs>::try_parse_from(["token", "--service", "orders"]).is_err());
+        assert!(
+            Wrap::<TokenArgs>::try_parse_from(["token", "--user", "ana", "--senders", "x"])
+                .is_err()
+        );
     }
 
     #[test]

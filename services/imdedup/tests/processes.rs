@@ -281,8 +281,16 @@ fn named_shards_route_by_name_and_each_ingest_accepts_what_the_gateway_sends_it(
     assert!(storage.terminate().success());
 }
 
-/// `imdedup --check-config …`: exit status and output.
+/// `imdedup --check-config …` with only `env` (and plaintext between the
+/// services asked for): exit status and output.
 fn check_config(args: &[&str], env: &[(&str, &str)]) -> (bool, String) {
+    let mut env = env.to_vec();
+    env.push(("IMDEDUP_INSECURE_PLAINTEXT", "true"));
+    check_config_exactly(args, &env)
+}
+
+/// `imdedup --check-config …` with exactly `env`.
+fn check_config_exactly(args: &[&str], env: &[(&str, &str)]) -> (bool, String) {
     let output = Command::new(BIN)
         .arg("--check-config")
         .args(args)
@@ -372,6 +380,19 @@ fn check_config_accepts_a_deployable_configuration_and_explains_a_wrong_one() {
         assert!(!ok, "{args:?} {env:?} was accepted: {text}");
         assert!(text.contains(expected), "{args:?}: {text}");
         assert!(!text.contains("secret@"), "a password leaked: {text}");
+    }
+    // Neither certificates nor plaintext asked for: refused, saying both.
+    for (service, env) in [
+        ("gateway", &gateway[..]),
+        ("ingest", &ingest[..]),
+        ("storage", &[][..]),
+    ] {
+        let (ok, text) = check_config_exactly(&[service], env);
+        assert!(!ok, "{service} started without TLS or --insecure-plaintext");
+        assert!(
+            text.contains("--tls-cert") && text.contains("--insecure-plaintext"),
+            "{service}: {text}"
+        );
     }
 }
 

@@ -17,6 +17,12 @@ IMDEDUP_GROUPS_FILE: "/etc/imdedup/groups/groups.json"
 {{- with .Values.gateway.authz.membershipUrl }}
 IMDEDUP_MEMBERSHIP_URL: {{ . | quote }}
 {{- end }}
+{{- with .Values.gateway.business.grpcPort }}
+{{- if not $.Values.gateway.business.existingSecret }}
+{{- fail "gateway.business.grpcPort serves the business API, which needs service tokens: give gateway.business.existingSecret" }}
+{{- end }}
+IMDEDUP_BUSINESS_GRPC_LISTEN: {{ printf "%s:%d" $.Values.config.listenHost (int .) | quote }}
+{{- end }}
 {{- include "imdedup.tls.configData" (list . "gateway") }}
 {{- include "imdedup.commonEnv" . }}
 {{- end -}}

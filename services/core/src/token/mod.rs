@@ -9,13 +9,19 @@
 //!
 //! The sender of every message is taken from the verified token, never from
 //! a frame, so nobody can send as another user or touch their dedup keys.
+//!
+//! Service tokens, for the business API, are the same JWTs with one more
+//! claim, `senders`: the accounts the system (`sub`) may send as (`"*"`:
+//! any). A verifier is for phones or for services
+//! ([`TokenVerifier::for_services`]) and refuses the other kind by that
+//! claim, so even one secret for both cannot turn one into the other.
 
 mod verifier;
 
 use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header};
 use serde::{Deserialize, Serialize};
 
-pub use verifier::{Jwks, TokenPolicy, TokenVerifier, Verified};
+pub use verifier::{Jwks, SenderScope, TokenPolicy, TokenVerifier, Verified};
 
 use crate::{Error, model::Sender};
 
@@ -32,6 +38,9 @@ pub(crate) struct Claims {
     pub nbf: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub iat: Option<u64>,
+    /// Service tokens only: the accounts the service may send as.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub senders: Option<Vec<String>>,
 }
 
 /// One shared HS256 secret: mints tokens and verifies them.
@@ -73,8 +82,26 @@ impl TokenKey {
             exp,
             nbf: None,
             iat: None,
+            senders: None,
         };
-        jsonwebtoken::encode(&Header::new(Algorithm::HS256), &claims, &self.encoding)
+        self.sign(&claims)
+    }
+
+    /// A service token for the system `service` that may send as each of
+    /// `senders` (`"*"`: any account), expiring at `exp` (Unix seconds).
+    pub fn mint_service(&self, service: &Sender, senders: &[String], exp: u64) -> String {
+        let claims = Claims {
+            sub: service.as_str().to_owned(),
+            exp,
+            nbf: None,
+            iat: None,
+            senders: Some(senders.to_vec()),
+        };
+        self.sign(&claims)
+    }
+
+    fn sign(&self, claims: &Claims) -> String {
+        jsonwebtoken::encode(&Header::new(Algorithm::HS256), claims, &self.encoding)
             // Only a key of another family than the header's can fail.
             .expect("an HS256 key signs an HS256 header")
     }

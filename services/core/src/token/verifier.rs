@@ -46,8 +46,53 @@ impl Default for TokenPolicy {
 /// A token that passed: its sender and expiry.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Verified {
+    /// A phone token's user; a service token's system.
     pub sender: Sender,
     pub expires_at_unix: u64,
+    /// Service tokens: the accounts the service may send as. `None` for a
+    /// phone token.
+    pub senders: Option<SenderScope>,
+}
+
+/// The accounts a service token may send as: its `senders` claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SenderScope {
+    /// `"*"` in the claim: any account.
+    Any,
+    /// Exactly these accounts (none, for an empty claim).
+    Only(Vec<Sender>),
+}
+
+impl SenderScope {
+    fn parse(senders: Vec<String>) -> Result<Self, Error> {
+        if senders.iter().any(|s| s == "*") {
+            return Ok(Self::Any);
+        }
+        senders
+            .into_iter()
+            .map(|s| {
+                Sender::parse(s).map_err(|e| refused(format!("token senders: {}", e.message())))
+            })
+            .collect::<Result<_, _>>()
+            .map(Self::Only)
+    }
+
+    /// Whether `sender` is in the scope.
+    pub fn allows(&self, sender: &Sender) -> bool {
+        match self {
+            Self::Any => true,
+            Self::Only(senders) => senders.contains(sender),
+        }
+    }
+}
+
+/// Which kind of token a verifier accepts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// Phone tokens: no `senders` claim.
+    Phone,
+    /// Service tokens: a `senders` claim.
+    Service,
 }
 
 /// Public keys by `kid`, each with the one algorithm it verifies.
@@ -129,6 +174,7 @@ pub struct TokenVerifier {
     hs256: Option<DecodingKey>,
     jwks: Option<Arc<Jwks>>,
     policy: TokenPolicy,
+    role: Role,
 }
 
 impl std::fmt::Debug for TokenVerifier {
@@ -137,6 +183,7 @@ impl std::fmt::Debug for TokenVerifier {
             .field("hs256", &self.hs256.as_ref().map(|_| ".."))
             .field("jwks", &self.jwks.as_ref().map(|j| j.0.path().to_owned()))
             .field("policy", &self.policy)
+            .field("role", &self.role)
             .finish()
     }
 }
@@ -166,7 +213,16 @@ impl TokenVerifier {
             hs256: hs256.map(|k| k.decoding_key().clone()),
             jwks: jwks.map(Arc::new),
             policy,
+            role: Role::Phone,
         })
+    }
+
+    /// The same keys and policy, for service tokens (the business API):
+    /// only tokens with a `senders` claim pass. A phone verifier refuses
+    /// them, and this one refuses phone tokens.
+    pub fn for_services(mut self) -> Self {
+        self.role = Role::Service;
+        self
     }
 
     /// The sender named by a genuine token that the policy accepts now.
@@ -204,11 +260,26 @@ impl TokenVerifier {
             .map_err(|e| refused(format!("token refused: {e}")))?
             .claims;
         self.check_times(&claims, now_unix)?;
+        let senders = match (self.role, claims.senders) {
+            (Role::Phone, None) => None,
+            (Role::Phone, Some(_)) => {
+                return Err(refused(
+                    "a service token (it has a senders claim) cannot connect as a phone",
+                ));
+            }
+            (Role::Service, Some(senders)) => Some(SenderScope::parse(senders)?),
+            (Role::Service, None) => {
+                return Err(refused(
+                    "not a service token: it has no senders claim (a phone token cannot use the business API)",
+                ));
+            }
+        };
         let sender = Sender::parse(claims.sub)
             .map_err(|e| refused(format!("token subject: {}", e.message())))?;
         Ok(Verified {
             sender,
             expires_at_unix: claims.exp,
+            senders,
         })
     }
 
@@ -312,6 +383,47 @@ mod tests {
         let no_subject = hs(json!({"exp": NOW + 600}));
         assert_eq!(
             kind(verifier.verify(&no_subject, NOW)),
+            ErrorKind::Unauthenticated
+        );
+    }
+
+    #[test]
+    fn phone_and_service_tokens_are_told_apart_by_the_senders_claim() {
+        // One secret for both, the worst case: the claim still decides.
+        let phones = TokenVerifier::hs256(secret());
+        let services = TokenVerifier::hs256(secret()).for_services();
+        let phone = hs(json!({"sub": "ana", "exp": NOW + 600}));
+        let service =
+            hs(json!({"sub": "orders", "exp": NOW + 600, "senders": ["orders-bot", "ana"]}));
+        let any = hs(json!({"sub": "notify", "exp": NOW + 600, "senders": ["*"]}));
+        assert!(phones.verify(&phone, NOW).unwrap().senders.is_none());
+        let refused = phones.verify(&service, NOW).unwrap_err();
+        assert_eq!(refused.kind(), ErrorKind::Unauthenticated);
+        assert!(refused.message().contains("service token"), "{refused}");
+        let refused = services.verify(&phone, NOW).unwrap_err();
+        assert_eq!(refused.kind(), ErrorKind::Unauthenticated);
+        assert!(refused.message().contains("no senders claim"), "{refused}");
+
+        let verified = services.verify(&service, NOW).unwrap();
+        assert_eq!(verified.sender.as_str(), "orders");
+        let scope = verified.senders.unwrap();
+        let user = |name: &str| Sender::parse(name).unwrap();
+        assert!(scope.allows(&user("orders-bot")) && scope.allows(&user("ana")));
+        assert!(!scope.allows(&user("ben")));
+        assert!(
+            !scope.allows(&user("orders")),
+            "the system is not its own sender"
+        );
+        let scope = services.verify(&any, NOW).unwrap().senders.unwrap();
+        assert_eq!(scope, SenderScope::Any);
+        assert!(scope.allows(&user("ben")));
+        // A sender that is not a valid account name spoils the token.
+        let bad = hs(json!({"sub": "orders", "exp": NOW + 600, "senders": [""]}));
+        assert_eq!(kind(services.verify(&bad, NOW)), ErrorKind::Unauthenticated);
+        // Service tokens live no longer than phone tokens.
+        let forever = hs(json!({"sub": "orders", "exp": NOW + 30 * 86_400, "senders": ["*"]}));
+        assert_eq!(
+            kind(services.verify(&forever, NOW)),
             ErrorKind::Unauthenticated
         );
     }

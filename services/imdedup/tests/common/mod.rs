@@ -41,6 +41,9 @@ pub fn command(args: &[&str], data_dir: &Path) -> Command {
     command
         .args(args)
         .env("IMDEDUP_DATA_DIR", data_dir)
+        // Processes on loopback in a test: the internal hops in plaintext
+        // (tests/internal_tls.rs of the cluster crate covers mutual TLS).
+        .env("IMDEDUP_INSECURE_PLAINTEXT", "true")
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::inherit());

@@ -1,0 +1,512 @@
+//! The `business` scenario: backend systems send notices through the
+//! business API (`POST /v1/messages`), each with its own idempotency key,
+//! under client timeouts short enough that many calls time out after the
+//! gateway stored them; they retry with the same key, as a business system
+//! does. Receivers' phones follow and then pull every conversation, and the
+//! audit checks that each notice is stored exactly once (0 repeats) and
+//! none that was answered is missing (0 lost), and counts the retries the
+//! business key caught.
+//!
+//! Every system sends as its own account (`b<run>-<k>`, the only sender in
+//! its service token's scope) into direct conversations with the run's
+//! users, which need no group declaration.
+
+use std::{
+    collections::HashMap,
+    fmt::Write as _,
+    num::NonZeroU32,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use anyhow::{Context, bail};
+use futures_util::StreamExt;
+use imdedup_client::{
+    AckReply,
+    business::{BusinessHttp, RetryPolicy},
+};
+use imdedup_cluster::{ClusterOptions, LocalCluster};
+use imdedup_core::{
+    clock::{Clock, ManualClock, SystemClock},
+    model::{ClientMsgId, IdempotencyKey, Sender},
+    secret::Secret,
+    token::TokenKey,
+};
+use imdedup_gateway::authz::{Authorizer, DirectConversations};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+use serde::Serialize;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    audit::{Sent, audit},
+    follow,
+    phone::{Trace, wait_until},
+    report::Report,
+    run::{AUDIT_PULLS_IN_FLIGHT, LoadConfig, Outcome, Target, connect_all, due_after},
+};
+
+/// What the business scenario adds to a load run. Of the load's loss
+/// figures, `loss_ack` is used: the chance an answer is lost on the way
+/// back, so the system retries as after a timeout. With long client
+/// timeouts that makes every answer the gateway counted one the driver saw
+/// (how the observability proof runs it).
+#[derive(Debug, Clone)]
+pub struct BusinessConfig {
+    /// The run: target, messages (notices), rate, ramp, users (receivers),
+    /// body size, seed, followers, the receivers' encoding.
+    pub load: LoadConfig,
+    /// Backend systems, each with its own account and service token.
+    pub systems: usize,
+    /// With a gateway target: the secret of its service tokens.
+    pub service_token_secret: Option<Secret>,
+    /// The client timeout of a call's first try; each later try gets twice
+    /// the one before, up to `max_call_timeout`.
+    pub call_timeout: Duration,
+    pub max_call_timeout: Duration,
+    /// Tries per notice before the system gives up.
+    pub max_tries: u32,
+}
+
+/// The business scenario's own figures.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Figures {
+    pub systems: u64,
+    /// HTTP calls made, retries included.
+    pub calls: u64,
+    /// Calls the system stopped waiting for (its client timeout).
+    pub timed_out: u64,
+    /// Calls after a notice's first.
+    pub retries: u64,
+    /// Retries answered `duplicate_business_key`: the key recognised a
+    /// notice an earlier, timed-out or failed call had stored.
+    pub retries_caught_by_business_key: u64,
+    /// Notices answered (stored now or recognised).
+    pub answered: u64,
+    /// Notices never answered within `max_tries`.
+    pub gave_up: u64,
+    /// Answers the driver received but dropped (`--loss-ack`), as if they
+    /// were lost on the way back.
+    pub answers_lost: u64,
+    /// `idempotency_key_reused` answers: each notice keeps its key and
+    /// body, so this must be 0.
+    pub key_reused: u64,
+    pub call_timeout_ms: f64,
+}
+
+impl Figures {
+    pub fn render(&self, out: &mut String) {
+        let _ = writeln!(
+            out,
+            "  business API     {} systems, {} calls ({} retries), {} timed out on the client (first try after {} ms), {} answers lost",
+            self.systems,
+            self.calls,
+            self.retries,
+            self.timed_out,
+            self.call_timeout_ms,
+            self.answers_lost
+        );
+        let _ = writeln!(
+            out,
+            "                   {} retries caught by the business key; {} notices answered, {} given up, key reused {}{}",
+            self.retries_caught_by_business_key,
+            self.answered,
+            self.gave_up,
+            self.key_reused,
+            if self.key_reused == 0 { "" } else { "  FAIL" }
+        );
+    }
+}
+
+/// Per notice: how its calls went, and when it was due.
+type Results = Vec<Option<(Calls, Duration)>>;
+
+struct Notice {
+    system: usize,
+    receiver: usize,
+    key: String,
+    conversation: String,
+    /// Per try: whether its answer is lost on the way back (the system
+    /// sees a timeout), drawn up front so a seed repeats a run.
+    answer_lost: Vec<bool>,
+}
+
+/// How one notice's calls went.
+#[derive(Debug, Clone, Default)]
+struct Calls {
+    /// Every answer the gateway sent, including those lost on the way.
+    answers: Vec<imdedup_client::business::BusinessAck>,
+    /// The answer the system finally got.
+    received: Option<imdedup_client::business::BusinessAck>,
+    /// Codes of the error answers.
+    errors: Vec<String>,
+    tries: u32,
+    timed_out: u32,
+    answers_lost: u32,
+    latency: Option<Duration>,
+}
+
+/// Call until the system gets an answer or a final error, with the same
+/// key every time: each try under its client timeout, pausing between
+/// tries as the gateway asks.
+async fn call(
+    client: &BusinessHttp,
+    notice: &Notice,
+    account: &str,
+    body: &str,
+    policy: &RetryPolicy,
+) -> Calls {
+    let started = Instant::now();
+    let mut calls = Calls::default();
+    while calls.tries < policy.max_tries {
+        let timeout = policy
+            .timeouts
+            .get(calls.tries as usize)
+            .or(policy.timeouts.last())
+            .copied()
+            .unwrap_or(Duration::from_secs(5));
+        let lost = notice
+            .answer_lost
+            .get(calls.tries as usize)
+            .copied()
+            .unwrap_or(false);
+        calls.tries += 1;
+        // Back off as the timeouts grow (up to a second), so retries do
+        // not pile up on a slow gateway: each timed-out call still runs
+        // there.
+        let mut pause = policy.pause.max(timeout.min(Duration::from_secs(1)));
+        let sent = client.send(&notice.key, account, &notice.conversation, body);
+        match tokio::time::timeout(timeout, sent).await {
+            Err(_) => calls.timed_out += 1,
+            // The connection failed: as a timeout, retried.
+            Ok(Err(_)) => {}
+            Ok(Ok(Ok(ack))) => {
+                calls.answers.push(ack.clone());
+                if lost {
+                    calls.answers_lost += 1;
+                } else {
+                    calls.received = Some(ack);
+                    calls.latency = Some(started.elapsed());
+                    break;
+                }
+            }
+            Ok(Ok(Err(error))) => {
+                calls.errors.push(error.code.clone());
+                if !error.retryable {
+                    break;
+                }
+                pause = pause.max(error.retry_after.unwrap_or_default());
+            }
+        }
+        tokio::time::sleep(pause).await;
+    }
+    calls
+}
+
+/// The retry schedule's client timeouts: `first`, doubling up to `max`.
+fn timeouts(first: Duration, max: Duration, tries: u32) -> Vec<Duration> {
+    let mut out = Vec::new();
+    let mut next = first.max(Duration::from_micros(100));
+    for _ in 0..tries.max(1) {
+        out.push(next.min(max));
+        next = next.saturating_mul(2);
+    }
+    out
+}
+
+pub async fn run(config: BusinessConfig) -> anyhow::Result<Outcome> {
+    let load = &config.load;
+    if config.systems == 0 || load.users == 0 {
+        bail!("--systems and --users must be at least 1");
+    }
+    if !(load.rate > 0.0 && load.rate.is_finite()) {
+        bail!("--rate must be positive");
+    }
+    if !(0.0..=1.0).contains(&load.loss_ack) {
+        bail!("--loss-ack must be between 0 and 1, got {}", load.loss_ack);
+    }
+    let clock = ManualClock::new();
+    let dir = tempfile::tempdir()?;
+    let run_tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+    let user_name = |u: usize| format!("u{run_tag}-{u}");
+    let system_name = |k: usize| format!("b{run_tag}-{k}");
+    let (cluster, url, phone_key, service_key, now) = match &load.target {
+        Target::Embedded { shards } => {
+            let mut options = ClusterOptions::new(dir.path(), Arc::new(clock.clone()));
+            options.shards = *shards;
+            // Direct conversations only: each system talks to receivers
+            // one to one, which needs no groups.
+            options.authz = Authorizer::direct_only();
+            // The systems are machines: the per-account rate is not what
+            // is measured.
+            let unlimited = NonZeroU32::new(1_000_000).context("non-zero")?;
+            options.gateway_limits.user_sends_per_second = unlimited;
+            options.gateway_limits.user_send_burst = unlimited;
+            let cluster = LocalCluster::start(options).await?;
+            let url = cluster.gateway_url();
+            (
+                Some(cluster),
+                url,
+                TokenKey::new(imdedup_cluster::DEV_TOKEN_SECRET)?,
+                TokenKey::new(imdedup_cluster::DEV_SERVICE_TOKEN_SECRET)?,
+                clock.unix_seconds(),
+            )
+        }
+        Target::Gateway {
+            url, token_secret, ..
+        } => {
+            let service_secret = config.service_token_secret.as_ref().context(
+                "the business scenario with --url needs --service-token-secret \
+                 (or IMDEDUP_SERVICE_TOKEN_SECRET), the gateway's",
+            )?;
+            (
+                None,
+                url.clone(),
+                TokenKey::new(token_secret.expose())?,
+                TokenKey::new(service_secret.expose())?,
+                SystemClock.unix_seconds(),
+            )
+        }
+    };
+    let exp = now + 3600;
+
+    // The receivers read (follow, then pull) over the phone protocol.
+    let tokens: Vec<String> = (0..load.users)
+        .map(|u| Ok(phone_key.mint(&Sender::parse(user_name(u))?, exp)))
+        .collect::<anyhow::Result<_>>()?;
+    let phones = Arc::new(connect_all(&url, &tokens, false, load.encoding).await?);
+    let systems: Vec<Arc<BusinessHttp>> = (0..config.systems)
+        .map(|k| {
+            let account = system_name(k);
+            let token = service_key.mint_service(
+                &Sender::parse(format!("svc{run_tag}-{k}"))?,
+                std::slice::from_ref(&account),
+                exp,
+            );
+            Ok(Arc::new(BusinessHttp::new(&url, token)))
+        })
+        .collect::<anyhow::Result<_>>()?;
+
+    let mut rng = StdRng::seed_from_u64(load.seed);
+    let notices: Vec<Notice> = (0..load.messages)
+        .map(|_| {
+            let system = rng.random_range(0..config.systems);
+            let receiver = rng.random_range(0..load.users);
+            let bytes: [u8; 16] = rng.random();
+            let conversation = DirectConversations::name(
+                &Sender::parse(system_name(system)).expect("a valid name"),
+                &Sender::parse(user_name(receiver)).expect("a valid name"),
+            );
+            let answer_lost = (0..config.max_tries.max(1))
+                .map(|_| rng.random_bool(load.loss_ack))
+                .collect();
+            Notice {
+                system,
+                receiver,
+                answer_lost,
+                key: format!(
+                    "notice-{}",
+                    uuid::Builder::from_random_bytes(bytes).into_uuid()
+                ),
+                conversation,
+            }
+        })
+        .collect();
+    let notices = Arc::new(notices);
+    let mut readers: HashMap<String, usize> = HashMap::new();
+    for notice in notices.iter() {
+        readers
+            .entry(notice.conversation.clone())
+            .or_insert(notice.receiver);
+    }
+    let readers: Vec<(String, usize)> = readers.into_iter().collect();
+
+    let stop_following = CancellationToken::new();
+    let following = load.followers.then(|| {
+        tokio::spawn(follow::follow(
+            Arc::clone(&phones),
+            readers.clone(),
+            stop_following.clone(),
+        ))
+    });
+
+    let policy = Arc::new(RetryPolicy {
+        timeouts: timeouts(
+            config.call_timeout,
+            config.max_call_timeout,
+            config.max_tries,
+        ),
+        pause: Duration::from_millis(10),
+        max_tries: config.max_tries.max(1),
+    });
+    let body: Arc<str> = "n".repeat(load.body_bytes.max(1)).into();
+    let results: Arc<Mutex<Results>> =
+        Arc::new(Mutex::new((0..notices.len()).map(|_| None).collect()));
+    let answered = Arc::new(AtomicU64::new(0));
+    let reporter = load.progress.then(|| {
+        let answered = Arc::clone(&answered);
+        let total = notices.len();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                eprintln!(
+                    "t={:>5.1}s  answered {}/{total}",
+                    started.elapsed().as_secs_f64(),
+                    answered.load(Ordering::Relaxed)
+                );
+            }
+        })
+    });
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for index in 0..notices.len() {
+        let due = due_after(index as u64, load.rate, load.ramp);
+        wait_until(started + due).await;
+        let (notices, systems, policy, body, results, answered) = (
+            Arc::clone(&notices),
+            systems.clone(),
+            Arc::clone(&policy),
+            Arc::clone(&body),
+            Arc::clone(&results),
+            Arc::clone(&answered),
+        );
+        let account = system_name(notices[index].system);
+        tasks.spawn(async move {
+            let notice = &notices[index];
+            let calls = call(&systems[notice.system], notice, &account, &body, &policy).await;
+            if calls.received.is_some() {
+                answered.fetch_add(1, Ordering::Relaxed);
+            }
+            if let Ok(mut results) = results.lock() {
+                results[index] = Some((calls, due));
+            }
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done?;
+    }
+    let sending = started.elapsed();
+    if let Some(reporter) = reporter {
+        reporter.abort();
+    }
+    stop_following.cancel();
+    let delivered = match following {
+        Some(following) => Some(following.await?),
+        None => None,
+    };
+
+    // What the receivers see.
+    let mut pulls = futures_util::stream::iter(readers.clone())
+        .map(|(conversation, reader)| {
+            let phones = &phones;
+            async move {
+                let pulled = match phones[reader].0.client().await {
+                    Ok((_, client)) => client.full_history(&conversation).await,
+                    Err(e) => Err(e),
+                };
+                (conversation, pulled)
+            }
+        })
+        .buffer_unordered(AUDIT_PULLS_IN_FLIGHT);
+    let mut histories = HashMap::new();
+    while let Some((conversation, pulled)) = pulls.next().await {
+        let rows = match pulled? {
+            Ok(rows) => rows,
+            Err(e) => bail!("history of {conversation}: {} ({})", e.code, e.message),
+        };
+        histories.insert(conversation, rows);
+    }
+    drop(pulls);
+
+    let results = std::mem::take(&mut *results.lock().map_err(|_| anyhow::anyhow!("poisoned"))?);
+    let mut figures = Figures {
+        systems: config.systems as u64,
+        call_timeout_ms: config.call_timeout.as_secs_f64() * 1000.0,
+        ..Figures::default()
+    };
+    let mut sent = Vec::with_capacity(notices.len());
+    for (notice, result) in notices.iter().zip(results) {
+        let (calls, due) = result.unwrap_or_default();
+        let id = ClientMsgId::for_business_key(&IdempotencyKey::parse(notice.key.as_bytes())?)
+            .into_bytes();
+        figures.calls += u64::from(calls.tries);
+        figures.retries += u64::from(calls.tries.saturating_sub(1));
+        figures.timed_out += u64::from(calls.timed_out);
+        figures.answers_lost += u64::from(calls.answers_lost);
+        figures.key_reused += calls
+            .errors
+            .iter()
+            .filter(|code| *code == "idempotency_key_reused")
+            .count() as u64;
+        let ack = |a: &imdedup_client::business::BusinessAck| AckReply {
+            id: id.clone(),
+            server_id: a.server_id,
+            seq: a.seq,
+            duplicate: a.duplicate,
+            outcome: a.outcome.clone(),
+        };
+        let acks: Vec<AckReply> = calls.answers.iter().map(ack).collect();
+        figures.retries_caught_by_business_key +=
+            acks.iter().filter(|a| a.duplicate).count() as u64;
+        match &calls.received {
+            Some(_) => figures.answered += 1,
+            None => figures.gave_up += 1,
+        }
+        sent.push(Sent {
+            sender: system_name(notice.system),
+            conversation: notice.conversation.clone(),
+            trace: Trace {
+                received: calls.received.as_ref().map(ack),
+                server_acks: acks,
+                latency: calls.latency,
+                tries: calls.tries,
+                acks_lost: calls.answers_lost,
+                errors: calls.errors,
+                due_offset: due,
+                ..Trace::default()
+            },
+            id,
+        });
+    }
+    let mut result = audit(&sent, &histories);
+    if let Some(delivered) = &delivered {
+        result.add_followers(&histories, delivered);
+    }
+    let mut report = Report::new(load, &sent, sending, 0, result.clone());
+    report.business = Some(figures.clone());
+    drop(phones);
+    if let Some(cluster) = cluster {
+        cluster.shutdown().await;
+    }
+    if figures.key_reused > 0 {
+        // Not in the audit's counts: the key was refused, nothing stored;
+        // but a run that sees one has found a bug.
+        eprintln!(
+            "business: {} calls refused as a reused key",
+            figures.key_reused
+        );
+    }
+    Ok(Outcome {
+        report,
+        audit: result,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn client_timeouts_double_up_to_the_ceiling() {
+        let ms = Duration::from_millis;
+        assert_eq!(
+            timeouts(ms(2), ms(10), 5),
+            [ms(2), ms(4), ms(8), ms(10), ms(10)]
+        );
+        assert_eq!(timeouts(ms(2), ms(10), 0), [ms(2)]);
+    }
+}
