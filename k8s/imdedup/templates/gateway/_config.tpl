@@ -9,6 +9,18 @@ IMDEDUP_SEND_TIMEOUT: {{ .Values.gateway.config.sendTimeout | quote }}
 IMDEDUP_MAX_BODY_BYTES: {{ .Values.config.maxBodyBytes | quote }}
 IMDEDUP_MAX_CONNECTIONS: {{ .Values.gateway.config.maxConnections | quote }}
 IMDEDUP_MAX_IN_FLIGHT: {{ .Values.gateway.config.maxInFlight | quote }}
+{{- with .Values.gateway.config.limits }}
+IMDEDUP_UPGRADE_TIMEOUT: {{ .upgradeTimeout | quote }}
+IMDEDUP_MAX_UNAUTHENTICATED: {{ .maxUnauthenticated | int64 | quote }}
+IMDEDUP_PING_INTERVAL: {{ .pingInterval | quote }}
+IMDEDUP_IDLE_TIMEOUT: {{ .idleTimeout | quote }}
+IMDEDUP_MAX_CONNECTIONS_PER_USER: {{ .maxConnectionsPerUser | int64 | quote }}
+IMDEDUP_USER_SENDS_PER_SECOND: {{ .userSendsPerSecond | int64 | quote }}
+IMDEDUP_USER_SEND_BURST: {{ .userSendBurst | int64 | quote }}
+IMDEDUP_MAX_SENDS_IN_FLIGHT: {{ .maxSendsInFlight | int64 | quote }}
+IMDEDUP_MAX_HISTORY_PAGE_BYTES: {{ .maxHistoryPageBytes | int64 | quote }}
+IMDEDUP_MAX_PULLS_PER_CONNECTION: {{ .maxPullsPerConnection | int64 | quote }}
+{{- end }}
 IMDEDUP_GRACE: {{ printf "%ds" (int .Values.config.graceSeconds) | quote }}
 IMDEDUP_AUTHZ: {{ .Values.gateway.authz.mode | quote }}
 {{- if .Values.gateway.authz.groups }}

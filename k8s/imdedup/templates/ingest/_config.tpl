@@ -12,6 +12,15 @@ IMDEDUP_WINDOW_TTL: {{ .Values.ingest.config.windowTtl | quote }}
 IMDEDUP_CLAIM_TTL: {{ .Values.ingest.config.claimTtl | quote }}
 IMDEDUP_WINDOW_MAX_KEYS: {{ .Values.ingest.config.windowMaxKeys | int64 | quote }}
 IMDEDUP_STORAGE_TIMEOUT: {{ .Values.ingest.config.storageTimeout | quote }}
+{{- with .Values.ingest.config.overload }}
+{{- if or (gt (int64 .dbConcurrencyMin) (int64 .dbConcurrencyInitial)) (gt (int64 .dbConcurrencyInitial) (int64 .dbConcurrencyMax)) }}
+{{- fail (printf "ingest.config.overload: give dbConcurrencyMin <= dbConcurrencyInitial <= dbConcurrencyMax (got %d, %d, %d)" (int64 .dbConcurrencyMin) (int64 .dbConcurrencyInitial) (int64 .dbConcurrencyMax)) }}
+{{- end }}
+IMDEDUP_DB_CONCURRENCY_INITIAL: {{ .dbConcurrencyInitial | int64 | quote }}
+IMDEDUP_DB_CONCURRENCY_MIN: {{ .dbConcurrencyMin | int64 | quote }}
+IMDEDUP_DB_CONCURRENCY_MAX: {{ .dbConcurrencyMax | int64 | quote }}
+IMDEDUP_DB_SLOW_INSERT: {{ .dbSlowInsert | quote }}
+{{- end }}
 IMDEDUP_MAX_BODY_BYTES: {{ .Values.config.maxBodyBytes | quote }}
 IMDEDUP_GRACE: {{ printf "%ds" (int .Values.config.graceSeconds) | quote }}
 {{- if include "imdedup.redisEnabled" . }}
@@ -20,6 +29,7 @@ IMDEDUP_REDIS_CLUSTER: "true"
 {{- end }}
 IMDEDUP_REDIS_KEY_PREFIX: {{ .Values.redis.keyPrefix | quote }}
 IMDEDUP_REDIS_TIMEOUT: {{ .Values.redis.timeout | quote }}
+IMDEDUP_REDIS_WARMUP: {{ .Values.ingest.config.overload.redisWarmup | quote }}
 {{- if .Values.redis.caSecret.name }}
 IMDEDUP_REDIS_CA: {{ printf "/etc/imdedup/redis-ca/%s" .Values.redis.caSecret.key | quote }}
 {{- end }}
