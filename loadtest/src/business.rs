@@ -361,6 +361,7 @@ pub async fn run(config: BusinessConfig) -> anyhow::Result<Outcome> {
             }
         })
     });
+    let cpu_baseline = crate::cpu::baseline(&load.admin).await?;
     let started = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
     for index in 0..notices.len() {
@@ -390,6 +391,12 @@ pub async fn run(config: BusinessConfig) -> anyhow::Result<Outcome> {
         done?;
     }
     let sending = started.elapsed();
+    let cpu = crate::run::cpu_per_message(
+        &cpu_baseline,
+        answered.load(Ordering::Relaxed),
+        &load.target,
+    )
+    .await?;
     if let Some(reporter) = reporter {
         reporter.abort();
     }
@@ -478,6 +485,7 @@ pub async fn run(config: BusinessConfig) -> anyhow::Result<Outcome> {
     }
     let mut report = Report::new(load, &sent, sending, 0, result.clone());
     report.business = Some(figures.clone());
+    report.cpu = cpu;
     drop(phones);
     if let Some(cluster) = cluster {
         cluster.shutdown().await;

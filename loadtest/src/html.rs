@@ -84,6 +84,38 @@ fn bar_chart(title: &str, bars: &[(&str, &str, u64)]) -> String {
     svg
 }
 
+/// CPU per acknowledged message, per process (empty without figures).
+fn cpu_table(report: &Report) -> String {
+    if report.cpu.is_empty() {
+        return String::new();
+    }
+    let mut html = format!(
+        "<h2>CPU per message</h2>\n<p>Over the sending phase, per acknowledged message ({}).</p>\n\
+         <table><tr><th>process</th><th>µs per message</th><th>CPU seconds</th></tr>\n",
+        report.acknowledged()
+    );
+    for process in &report.cpu {
+        let _ = writeln!(
+            html,
+            "<tr><td>{}</td><td>{:.1}</td><td>{:.2}</td></tr>",
+            escape(&process.name),
+            process.us_per_message,
+            process.cpu_seconds
+        );
+    }
+    html.push_str("</table>\n");
+    if report
+        .cpu
+        .iter()
+        .any(|p| p.name == crate::run::EMBEDDED_PROCESS)
+    {
+        html.push_str(
+            "<p>--embedded: the services run in the driver's process; the figure is the whole process.</p>\n",
+        );
+    }
+    html
+}
+
 /// The whole report as one HTML page with no external resources.
 pub fn render(report: &Report) -> String {
     let throughput: Vec<(f64, f64)> = report
@@ -104,14 +136,16 @@ pub fn render(report: &Report) -> String {
     let o = &report.outcomes;
     let errors: u64 = o.errors.values().sum();
     let summary = escape(&report.render());
+    let cpu = cpu_table(report);
     format!(
         r##"<!doctype html>
 <html><head><meta charset="utf-8"><title>imdedup load report: {scenario}</title>
-<style>body{{font-family:sans-serif;margin:24px;max-width:780px}} pre{{background:#f4f4f4;padding:12px}}</style></head>
+<style>body{{font-family:sans-serif;margin:24px;max-width:780px}} pre{{background:#f4f4f4;padding:12px}} td,th{{padding:2px 12px}} td{{text-align:right}} td:first-child{{text-align:left}}</style></head>
 <body><h1>imdedup load report: {scenario}</h1>
 {throughput}
 {latency}
 {outcomes}
+{cpu}
 <h2>Summary</h2><pre>{summary}</pre>
 </body></html>
 "##,

@@ -7,6 +7,7 @@ use imdedup_client::Encoding;
 use imdedup_core::secret::Secret;
 use imdedup_loadtest::{
     LoadConfig,
+    cpu::AdminTarget,
     phone::ResendPolicy,
     run,
     run::Target,
@@ -95,6 +96,12 @@ struct Common {
     /// The gateway's token secret, to mint the phones' tokens.
     #[arg(long, env = "IMDEDUP_TOKEN_SECRET", hide_env_values = true)]
     token_secret: Option<Secret>,
+    /// With --url: a service's admin port, `NAME=http://HOST:PORT`
+    /// (repeatable). Its `process_cpu_seconds_total` is read before and
+    /// after sending, and the report gives its CPU per acknowledged message,
+    /// the services' sum and the driver's own.
+    #[arg(long = "admin", value_name = "NAME=URL", requires = "url", value_parser = AdminTarget::parse)]
+    admin: Vec<AdminTarget>,
     /// With --url: the gateway's groups file (its --groups-file), where the
     /// run's group conversations and members are added.
     #[arg(long, env = "IMDEDUP_GROUPS_FILE", requires = "url")]
@@ -351,5 +358,6 @@ fn load_config(name: &str, args: &Common, rate: Option<f64>) -> anyhow::Result<L
         } else {
             Encoding::Json
         },
+        admin: args.admin.clone(),
     })
 }

@@ -7,6 +7,7 @@ use serde::Serialize;
 
 use crate::{
     audit::{Audit, Sent},
+    cpu::ProcessCpu,
     run::{LoadConfig, Target},
 };
 
@@ -70,6 +71,11 @@ pub struct Report {
     /// The `business` scenario's own figures.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub business: Option<crate::business::Figures>,
+    /// CPU per acknowledged message over the sending phase: each service
+    /// given with `--admin`, their sum (`services`) and the driver's own;
+    /// with `--embedded`, the one process (`driver+services`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub cpu: Vec<ProcessCpu>,
 }
 
 /// Per second of the run: the messages acknowledged in it (by the time of
@@ -173,6 +179,42 @@ impl Report {
             due_timeline,
             started_at_unix_ms: 0,
             business: None,
+            cpu: Vec::new(),
+        }
+    }
+
+    /// Messages acknowledged over the sending phase.
+    pub fn acknowledged(&self) -> u64 {
+        (self.achieved_rate * self.sending_seconds).round() as u64
+    }
+
+    /// The "CPU per message" block of the summary (nothing without figures).
+    fn render_cpu(&self, out: &mut String) {
+        if self.cpu.is_empty() {
+            return;
+        }
+        let _ = writeln!(
+            out,
+            "  CPU per message  over the sending phase, per acknowledged message ({})",
+            self.acknowledged()
+        );
+        for process in &self.cpu {
+            let _ = writeln!(
+                out,
+                "    {:<18} {:>9.1} µs/msg  {:>8.2} CPU s",
+                process.name, process.us_per_message, process.cpu_seconds
+            );
+        }
+        if self
+            .cpu
+            .iter()
+            .any(|p| p.name == crate::run::EMBEDDED_PROCESS)
+        {
+            let _ = writeln!(
+                out,
+                "    (--embedded: the services run in the driver's process, so this is their \
+                 sum with the driver's; --url with --admin splits it per service)"
+            );
         }
     }
 
@@ -213,6 +255,7 @@ impl Report {
                 self.late_resends, self.late_resends_caught_by_unique_key
             );
         }
+        self.render_cpu(&mut out);
         let _ = writeln!(out, "audit ({} rows stored)", a.stored_rows);
         for (name, value, must_be_zero) in [
             ("lost (ACKed, not stored)", a.lost, true),

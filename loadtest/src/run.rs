@@ -30,6 +30,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     audit::{Audit, Sent, audit},
+    cpu::{self, AdminTarget, ProcessCpu},
     follow,
     link::Link,
     phone::{Fate, Outgoing, ResendPolicy, Trace, deliver, wait_until},
@@ -91,6 +92,9 @@ pub struct LoadConfig {
     /// Follow every conversation with a cursor while the load runs (see
     /// [`crate::follow`]) and audit what the followers received.
     pub followers: bool,
+    /// The services' admin ports (`--admin NAME=URL`, with a gateway
+    /// target): their CPU per acknowledged message goes in the report.
+    pub admin: Vec<AdminTarget>,
 }
 
 /// The result of a run.
@@ -228,6 +232,9 @@ fn check(config: &LoadConfig) -> anyhow::Result<()> {
     }
     if config.late_resends > 0 && !matches!(config.target, Target::Embedded { .. }) {
         bail!("--late-resends needs --embedded: the driver must move the cluster's clock");
+    }
+    if !config.admin.is_empty() && matches!(config.target, Target::Embedded { .. }) {
+        bail!("--admin needs --url: with --embedded the services run in the driver's process");
     }
     Ok(())
 }
@@ -367,6 +374,9 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
         .map(|n| due_after(n, config.rate, config.ramp))
         .collect();
     let mut storm_acks = vec![Vec::new(); plan.len()];
+    // CPU from here (the phones are connected, the plan is made) to the last
+    // answer of the sending phase: per acknowledged message.
+    let cpu_baseline = cpu::baseline(&config.admin).await?;
     let phones = if config.storm_window > Duration::ZERO {
         // Every message reaches the server once, and every ACK is lost: the
         // connections drop.
@@ -480,6 +490,12 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
     }
     while tasks.join_next().await.is_some() {}
     let sending = started.elapsed();
+    let cpu = cpu_per_message(
+        &cpu_baseline,
+        progress.acked.load(Ordering::Relaxed),
+        &config.target,
+    )
+    .await?;
     if let Some(reporter) = reporter {
         reporter.abort();
     }
@@ -555,6 +571,7 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
     }
     let mut report = Report::new(&config, &sent, sending, late_caught, result.clone());
     report.started_at_unix_ms = started_at_unix_ms;
+    report.cpu = cpu;
     drop(phones);
     if let Some(cluster) = cluster {
         cluster.shutdown().await;
@@ -564,6 +581,28 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
         audit: result,
     })
 }
+
+/// The CPU spent since `baseline` per one of `acked` messages. With the
+/// embedded target the services run in the driver's process, so the one
+/// figure is the whole process's, named so.
+pub(crate) async fn cpu_per_message(
+    baseline: &cpu::CpuBaseline,
+    acked: u64,
+    target: &Target,
+) -> anyhow::Result<Vec<ProcessCpu>> {
+    let mut cpu = baseline.since(acked).await?;
+    if matches!(target, Target::Embedded { .. }) {
+        for process in &mut cpu {
+            if process.name == "driver" {
+                process.name = EMBEDDED_PROCESS.to_owned();
+            }
+        }
+    }
+    Ok(cpu)
+}
+
+/// The name of the one CPU figure of an embedded run.
+pub const EMBEDDED_PROCESS: &str = "driver+services";
 
 #[cfg(test)]
 mod tests {

@@ -1,0 +1,218 @@
+"""CPU per acknowledged message of each service, side by side with a NATS
+JetStream server doing the same number of deduplicated publishes.
+
+Run by deploy/local/cpu-per-message.sh (which builds the binaries); see that
+script for the overview. Python 3.11 standard library only.
+
+One cluster on loopback, one process per service (storage on SQLite, two
+ingest shards with their in-process windows, a gateway), talking mutual TLS
+with certificates from `imdedup certs`. For each offered rate,
+`imdedup-load steady --url ... --admin NAME=URL ...` reads every service's
+`process_cpu_seconds_total` before and after sending and reports CPU µs per
+acknowledged message (and its own). Then `jetstream-bench` publishes the same
+number of messages at the same rate to a JetStream stream with a duplicate
+window (file storage), 11% of them resends of an earlier `Nats-Msg-Id`, and
+the server's CPU is read from /proc/<pid>/stat around the publishes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from localprocs import HarnessError, Processes, free_port, http_get, port_open, wait_for
+
+TOKEN_SECRET = "cpu-per-message-secret-0123456789abcdef"
+T0 = time.monotonic()
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def log(msg: str) -> None:
+    print(f"cpu-per-message: [{time.monotonic() - T0:5.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, from /proc/<pid>/stat."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+class Cluster:
+    def __init__(self, args, procs: Processes, work: Path):
+        self.args, self.procs, self.work = args, procs, work
+        self.names = ["ingest-0", "ingest-1"]
+        self.ports = {n: (free_port(), free_port()) for n in ["storage", *self.names, "gateway"]}
+        self.groups = work / "groups.json"
+        self.groups.write_text("{}")
+        self.tls = work / "tls"
+        subprocess.run([args.imdedup, "certs", "--out", str(self.tls)], check=True,
+                       stdout=subprocess.DEVNULL)
+
+    def tls_flags(self, service: str) -> list[str]:
+        d = self.tls / service
+        return ["--tls-cert", str(d / "tls.crt"), "--tls-key", str(d / "tls.key"),
+                "--tls-ca", str(d / "ca.crt")]
+
+    def argv(self, name: str) -> list[str]:
+        grpc, admin = self.ports[name]
+        common = [f"--listen=127.0.0.1:{grpc}", f"--admin-listen=127.0.0.1:{admin}"]
+        storage = f"https://127.0.0.1:{self.ports['storage'][0]}"
+        shards = ",".join(f"{n}=https://127.0.0.1:{self.ports[n][0]}" for n in self.names)
+        if name == "storage":
+            return [self.args.imdedup, "storage", *common, *self.tls_flags("storage"),
+                    "--data-dir", str(self.work / "storage")]
+        if name == "gateway":
+            return [self.args.imdedup, "gateway", *common, *self.tls_flags("gateway"),
+                    "--shards", shards, "--storage", storage, "--groups-file", str(self.groups)]
+        return [self.args.imdedup, "ingest", *common, *self.tls_flags("ingest"),
+                "--shard-name", name, "--shards", shards, "--storage", storage]
+
+    def up(self) -> None:
+        for name in ["storage", *self.names, "gateway"]:
+            self.procs.start(name, self.argv(name), {"IMDEDUP_TOKEN_SECRET": TOKEN_SECRET,
+                                                     "RUST_LOG": "warn"})
+            admin = self.ports[name][1]
+            wait_for(f"{name} /readyz",
+                     lambda: http_get(f"http://127.0.0.1:{admin}/readyz")[0] == 200, 60, self.procs)
+
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.ports['gateway'][0]}/v1/ws"
+
+    def admin_flags(self) -> list[str]:
+        out = []
+        for name, (_, admin) in self.ports.items():
+            out += ["--admin", f"{name}=http://127.0.0.1:{admin}"]
+        return out
+
+
+def drive(args, cluster: Cluster, rate: int) -> dict:
+    # The gateway's default per-user limit is 50 sends/s (burst 200): enough
+    # phones that the mean stays at 25/s each.
+    users = max(200, -(-rate // 25))
+    out = cluster.work / f"load-{rate}.json"
+    argv = [args.load, "steady", "--url", cluster.url(), "--groups-file", str(cluster.groups),
+            *cluster.admin_flags(), "--rate", str(rate), "--duration", f"{args.duration:g}s",
+            "--users", str(users), "--quiet", "--json", str(out)]
+    if not args.followers:
+        argv.append("--no-followers")
+    log_file = out.with_suffix(".log")
+    log(f"{rate}/s: {' '.join(argv[1:])}")
+    with open(log_file, "wb") as f:
+        code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT,
+                              env={**os.environ, "IMDEDUP_TOKEN_SECRET": TOKEN_SECRET},
+                              timeout=args.duration + 300).returncode
+    if not out.exists():
+        raise HarnessError(f"the driver wrote no report (exit {code}); log: {log_file}\n"
+                           f"{log_file.read_text(errors='replace')[-2000:]}")
+    report = json.loads(out.read_text())
+    report["exit"] = code
+    return report
+
+
+def jetstream(args, pid: int, url: str, messages: int, rate: int) -> dict:
+    argv = [args.jetstream_bench, "-url", url, "-messages", str(messages), "-rate", str(rate),
+            "-resend-share", "0.11", "-in-flight", "256", "-handshake"]
+    bench = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        if bench.stdout.readline().strip() != "ready":
+            raise HarnessError("jetstream-bench did not get ready")
+        before = proc_cpu_seconds(pid)
+        bench.stdin.write("go\n")
+        bench.stdin.flush()
+        result = json.loads(bench.stdout.readline())
+        result["server_cpu_seconds"] = proc_cpu_seconds(pid) - before
+        bench.stdin.write("done\n")
+        bench.stdin.flush()
+        bench.wait(timeout=60)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--imdedup", required=True)
+    parser.add_argument("--load", required=True)
+    parser.add_argument("--jetstream-bench", required=True)
+    parser.add_argument("--nats-server", default="nats-server")
+    parser.add_argument("--rates", default="1000,3000,6000,13900")
+    parser.add_argument("--duration", type=float, default=10)
+    parser.add_argument("--followers", action="store_true",
+                        help="let the driver's followers read every conversation while the load "
+                             "runs (their reads then count in the services' CPU)")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    args = parser.parse_args()
+    rates = [int(r) for r in args.rates.split(",")]
+    # The services and the driver take flags from the environment: only this
+    # script's flags count (no Redis, Scylla or trace export from the caller).
+    for key in [k for k in os.environ if k.startswith(("IMDEDUP_", "OTEL_"))]:
+        del os.environ[key]
+
+    work = Path(tempfile.mkdtemp(prefix="imdedup-cpu-"))
+    procs = Processes(work)
+    rows = []
+    try:
+        cluster = Cluster(args, procs, work)
+        cluster.up()
+        nats_port = free_port()
+        (work / "jetstream").mkdir()
+        nats = procs.start("nats-server", [args.nats_server, "-a", "127.0.0.1", "-p", str(nats_port),
+                                           "-js", "-sd", str(work / "jetstream")])
+        wait_for("nats-server", lambda: port_open(nats_port), 30, procs)
+        log(f"cluster and nats-server up; logs in {work}")
+        for rate in rates:
+            report = drive(args, cluster, rate)
+            cpu = {p["name"]: p["us_per_message"] for p in report.get("cpu", [])}
+            js = jetstream(args, nats.pid, f"nats://127.0.0.1:{nats_port}", report["messages"], rate)
+            js_us = js["server_cpu_seconds"] * 1e6 / max(js["acknowledged"], 1)
+            rows.append({
+                "offered": rate,
+                "acked_per_s": report["achieved_rate"],
+                "p99_ms": report["ack_latency"]["p99_ms"],
+                "audit": "ok" if report["exit"] == 0 else "FAIL",
+                "gateway": cpu.get("gateway"),
+                "ingest": sum(cpu.get(n, 0.0) for n in cluster.names),
+                "storage": cpu.get("storage"),
+                "services": cpu.get("services"),
+                "driver": cpu.get("driver"),
+                "js_us": js_us,
+                "js_acked_per_s": js["acknowledged_per_s"],
+                "js_p99_ms": js["p99_ms"],
+                "js_duplicates": js["duplicates"],
+                "ratio": (cpu.get("services") or 0.0) / js_us if js_us else float("nan"),
+            })
+            log(f"{rate}/s: {json.dumps(rows[-1])}")
+    except HarnessError as e:
+        log(f"FAILED: {e}")
+        return 1
+    finally:
+        procs.stop_all()
+    header = ("| offered | acked/s | p99 ms | audit | gateway µs | 2 ingest µs | storage µs "
+              "| services µs | driver µs | JetStream µs | JS acked/s | JS p99 ms | services / JetStream |")
+    print(header)
+    print("|" + " --- |" * (header.count("|") - 1))
+    for r in rows:
+        print(f"| {r['offered']:,}/s | {r['acked_per_s']:,.0f} | {r['p99_ms']:.1f} | {r['audit']} "
+              f"| {r['gateway']:.0f} | {r['ingest']:.0f} | {r['storage']:.0f} | {r['services']:.0f} "
+              f"| {r['driver']:.0f} | {r['js_us']:.1f} | {r['js_acked_per_s']:,.0f} "
+              f"| {r['js_p99_ms']:.1f} | {r['ratio']:.1f}x |")
+    print("(CPU µs per acknowledged message; JetStream: nats-server's CPU per acknowledged "
+          "publish, 11% of them resends caught by Nats-Msg-Id)")
+    if args.keep:
+        print(f"logs and reports in {work}")
+    else:
+        import shutil
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if all(r["audit"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
