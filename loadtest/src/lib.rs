@@ -9,8 +9,8 @@
 //! load ran, missed nothing.
 
 pub mod audit;
-pub mod cpu;
 pub mod business;
+pub mod cpu;
 pub mod follow;
 pub mod html;
 pub mod link;

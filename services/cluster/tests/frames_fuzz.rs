@@ -369,6 +369,10 @@ async fn valid_send(
     body: String,
 ) -> Option<(Vec<u8>, String, String)> {
     ClientMsgId::parse(id.clone()).ok()?;
+    // IDs starting with `bk:` belong to the business API: refused to phones.
+    if ClientMsgId::is_reserved_for_business(&id) {
+        return None;
+    }
     let parsed = ConversationId::parse(conversation.clone()).ok()?;
     Body::parse(body.clone(), DEFAULT_MAX_BODY_BYTES).ok()?;
     may_use(authz, &parsed)

@@ -181,9 +181,7 @@ impl Error {
     /// The same error, telling the caller to wait `after` before retrying.
     /// (Whole ms, at least 1.)
     pub fn with_retry_after(mut self, after: Duration) -> Self {
-        self.retry_after_ms = u32::try_from(after.as_millis())
-            .unwrap_or(u32::MAX)
-            .max(1);
+        self.retry_after_ms = u32::try_from(after.as_millis()).unwrap_or(u32::MAX).max(1);
         self
     }
 
