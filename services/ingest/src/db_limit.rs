@@ -37,7 +37,7 @@ use tower_acc::{Aimd, Algorithm, ConcurrencyLimitLayer};
 /// did, up to [`DB_DOWN_RETRY_AFTER`]), so phones do not come back sooner
 /// than it is likely to.
 pub const DB_BUSY_RETRY_AFTER: Duration = Duration::from_millis(250);
-pub const DB_DOWN_RETRY_AFTER: Duration = Duration::from_secs(5);
+pub const DB_DOWN_RETRY_AFTER: Duration = Duration::from_secs(2);
 
 /// Bounds of the adaptive limit.
 #[derive(Debug, Clone, Copy)]
