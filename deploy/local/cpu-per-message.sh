@@ -17,7 +17,7 @@
 # nats-server's µs per publish, and the ratio services / JetStream.
 #
 #   deploy/local/cpu-per-message.sh [--rates 1000,3000,6000,13900] [--duration 10]
-#                                   [--followers] [--keep]
+#                                   [--followers] [--keep] [--profile DIR]
 #
 # IMDEDUP_CPU_NO_BUILD=1 skips the cargo build. About 4 minutes once built.
 set -euo pipefail

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,6 +30,10 @@ from pathlib import Path
 from localprocs import HarnessError, Processes, free_port, http_get, port_open, wait_for
 
 TOKEN_SECRET = "cpu-per-message-secret-0123456789abcdef"
+# Issue 12's goal: the services' CPU per acknowledged message, and its ratio
+# to JetStream's per deduplicated publish measured in the same run.
+GOAL_US = 60
+GOAL_RATIO = 3.0
 T0 = time.monotonic()
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -49,6 +54,7 @@ class Cluster:
         self.args, self.procs, self.work = args, procs, work
         self.names = ["ingest-0", "ingest-1"]
         self.ports = {n: (free_port(), free_port()) for n in ["storage", *self.names, "gateway"]}
+        self.pids: dict[str, int] = {}
         self.groups = work / "groups.json"
         self.groups.write_text("{}")
         self.tls = work / "tls"
@@ -76,8 +82,9 @@ class Cluster:
 
     def up(self) -> None:
         for name in ["storage", *self.names, "gateway"]:
-            self.procs.start(name, self.argv(name), {"IMDEDUP_TOKEN_SECRET": TOKEN_SECRET,
-                                                     "RUST_LOG": "warn"})
+            proc = self.procs.start(name, self.argv(name), {"IMDEDUP_TOKEN_SECRET": TOKEN_SECRET,
+                                                            "RUST_LOG": "warn"})
+            self.pids[name] = proc.pid
             admin = self.ports[name][1]
             wait_for(f"{name} /readyz",
                      lambda: http_get(f"http://127.0.0.1:{admin}/readyz")[0] == 200, 60, self.procs)
@@ -90,6 +97,39 @@ class Cluster:
         for name, (_, admin) in self.ports.items():
             out += ["--admin", f"{name}=http://127.0.0.1:{admin}"]
         return out
+
+
+def start_profiles(args, cluster: Cluster, rate: int) -> list[tuple[str, subprocess.Popen]]:
+    """`perf record` on every service for the sending phase of one rate."""
+    out = []
+    for name in cluster.ports:
+        data = args.profile / f"{name}-{rate}.perf.data"
+        argv = ["perf", "record", "-F", "499", "-g", "-q", "-o", str(data),
+                "-p", str(cluster.pids[name]), "--", "sleep", f"{args.duration:g}"]
+        out.append((name, subprocess.Popen(argv, stdout=subprocess.DEVNULL,
+                                           stderr=subprocess.DEVNULL)))
+    return out
+
+
+def finish_profiles(args, rate: int, profiles: list[tuple[str, subprocess.Popen]]) -> None:
+    """Top self-time symbols (perf report) and, with inferno installed, a
+    flame graph per service."""
+    for name, perf in profiles:
+        perf.wait(timeout=args.duration + 60)
+        data = args.profile / f"{name}-{rate}.perf.data"
+        report = subprocess.run(["perf", "report", "-i", str(data), "--no-children", "--stdio",
+                                 "--sort", "dso,symbol", "--percent-limit", "1"],
+                                capture_output=True, text=True).stdout
+        (args.profile / f"{name}-{rate}.top.txt").write_text(report)
+        collapse = shutil.which("inferno-collapse-perf")
+        flamegraph = shutil.which("inferno-flamegraph")
+        if collapse and flamegraph:
+            script = subprocess.run(["perf", "script", "-i", str(data)], capture_output=True)
+            folded = subprocess.run([collapse], input=script.stdout, capture_output=True)
+            svg = subprocess.run([flamegraph, "--title", f"{name} at {rate} msgs/s"],
+                                 input=folded.stdout, capture_output=True)
+            (args.profile / f"{name}-{rate}.svg").write_bytes(svg.stdout)
+    log(f"{rate}/s: profiles in {args.profile}")
 
 
 def drive(args, cluster: Cluster, rate: int) -> dict:
@@ -105,9 +145,15 @@ def drive(args, cluster: Cluster, rate: int) -> dict:
     log_file = out.with_suffix(".log")
     log(f"{rate}/s: {' '.join(argv[1:])}")
     with open(log_file, "wb") as f:
-        code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT,
-                              env={**os.environ, "IMDEDUP_TOKEN_SECRET": TOKEN_SECRET},
-                              timeout=args.duration + 300).returncode
+        driver = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
+                                  env={**os.environ, "IMDEDUP_TOKEN_SECRET": TOKEN_SECRET})
+        profiles = []
+        if args.profile:
+            time.sleep(1.5)  # the driver connects its phones first
+            profiles = start_profiles(args, cluster, rate)
+        code = driver.wait(timeout=args.duration + 300)
+        if profiles:
+            finish_profiles(args, rate, profiles)
     if not out.exists():
         raise HarnessError(f"the driver wrote no report (exit {code}); log: {log_file}\n"
                            f"{log_file.read_text(errors='replace')[-2000:]}")
@@ -149,7 +195,14 @@ def main() -> int:
                         help="let the driver's followers read every conversation while the load "
                              "runs (their reads then count in the services' CPU)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="perf record every service while each rate runs; writes per service "
+                             "and rate the top self-time symbols and (with inferno installed) a "
+                             "flame graph to DIR. The profiler's own cost inflates the CPU figures "
+                             "of such a run")
     args = parser.parse_args()
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
     rates = [int(r) for r in args.rates.split(",")]
     # The services and the driver take flags from the environment: only this
     # script's flags count (no Redis, Scylla or trace export from the caller).
@@ -206,10 +259,14 @@ def main() -> int:
               f"| {r['js_p99_ms']:.1f} | {r['ratio']:.1f}x |")
     print("(CPU µs per acknowledged message; JetStream: nats-server's CPU per acknowledged "
           "publish, 11% of them resends caught by Nats-Msg-Id)")
+    for r in rows:
+        goal = r["services"] <= GOAL_US and r["ratio"] <= GOAL_RATIO
+        print(f"goal at {r['offered']:,}/s (services <= {GOAL_US} µs and <= {GOAL_RATIO}x "
+              f"JetStream): {'met' if goal else 'NOT met'} ({r['services']:.0f} µs, "
+              f"{r['ratio']:.1f}x)")
     if args.keep:
         print(f"logs and reports in {work}")
     else:
-        import shutil
         shutil.rmtree(work, ignore_errors=True)
     return 0 if all(r["audit"] == "ok" for r in rows) else 1
 
