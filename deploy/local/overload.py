@@ -33,6 +33,31 @@ USERS = 60
 # phones); the faults' schedule is on the load's clock.
 DRIVER_LEAD = 3.0
 PROBE_RATE = 800
+# The phones' tries after a message is due (the book's schedule, as the
+# driver's phones keep it; give up at 31 s).
+SCHEDULE = (0.0, 1.0, 3.0, 7.0, 15.0)
+
+
+def fewest_tries(rate: float, duration: float, stops: list[tuple[float, float]]) -> float:
+    """The tries per message phones on SCHEDULE make when every try that
+    falls inside a stop of the database (load-clock spans) fails and the next
+    one, after it, succeeds: a message due at t needs each try inside a stop
+    plus one. A server could go lower only by holding sends through the stop
+    (queueing what it cannot serve) or by asking phones to wait longer than
+    their own schedule before it knows the stop is over (every message
+    later, and some past their give-up). Messages are due evenly."""
+    n = max(int(rate * duration), 1)
+    total = 0
+    for i in range(n):
+        t = i / rate
+        tries = 1
+        for offset in SCHEDULE:
+            if any(a <= t + offset < b for a, b in stops):
+                tries += 1
+            else:
+                break
+        total += min(tries, len(SCHEDULE))
+    return total / n
 
 
 def log(msg: str) -> None:
@@ -47,6 +72,23 @@ def cassandra_pid() -> int:
     if b"cassandra" not in cmdline.lower():
         raise HarnessError(f"pid {pid} is not Cassandra")
     return pid
+
+
+def restart_cassandra() -> int:
+    """Stop services.sh's Cassandra and start it again (a cold JVM: the
+    issue's "freshly started" database); returns the new pid."""
+    pid = cassandra_pid()
+    os.kill(pid, signal.SIGCONT)
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{pid}").exists():
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+    services = Path(__file__).resolve().parent / "services.sh"
+    subprocess.run(["bash", str(services), "up", "--cassandra"], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
+    return cassandra_pid()
 
 
 class Redis:
@@ -83,6 +125,8 @@ class Faults:
         # Wall-clock spans of database trouble, lined up with the load's
         # timeline afterwards.
         self.db_down: list[tuple[float, float]] = []
+        # The spans in which it was stopped outright (wall clock).
+        self.db_stopped: list[tuple[float, float]] = []
         # When the last fault of any kind ended (wall clock).
         self.ended = 0.0
         self.notes: list[str] = []
@@ -105,6 +149,7 @@ class Faults:
             os.kill(self.cassandra, signal.SIGCONT)
             self.stopped = False
         self.db_down.append((wall, time.time()))
+        self.db_stopped.append((wall, time.time()))
         self.ended = max(self.ended, time.time())
         self.notes.append(f"db paused {seconds:g}s at {start:.0f}s")
 
@@ -257,7 +302,9 @@ def figures(report: dict, rate: float, capacity: float, duration: float, faults:
             recovered_at = s
             break
     recovery = (recovered_at - ended) if recovered_at is not None else float("inf")
+    stops = [(a - start, b - start) for a, b in faults.db_stopped]
     return {
+        "tries_floor": fewest_tries(rate, duration, stops),
         "messages": a["messages"], "lost": a["lost"], "repeats": a["repeats"],
         "gave_up": a["failed"], "tries_per_message": report["tries"] / max(a["messages"], 1),
         "goodput": goodput, "recovery_s": max(recovery, 0.0), "pre_p99_ms": pre_p99,
@@ -276,7 +323,8 @@ def meets(f: dict) -> list[str]:
     if f["gave_up"]:
         missed.append("give-ups")
     if f["tries_per_message"] > 1.5:
-        missed.append("tries")
+        missed.append("tries" + (f" (the floor is {f['tries_floor']:.2f})"
+                                 if f["tries_floor"] > 1.5 else ""))
     return missed
 
 
@@ -316,7 +364,7 @@ def main() -> int:
             procs = Processes(tmp)
             log(f"capacity: {capacity:.0f} msgs/s acknowledged at {PROBE_RATE}/s offered")
         print(f"{'scenario':<18} {'rate':>5} {'msgs':>6} {'lost':>4} {'rep':>4} {'gave-up':>7} "
-              f"{'tries/msg':>9} {'goodput':>7} {'recovery':>8} {'pre-p99':>8}  faults", flush=True)
+              f"{'tries/msg':>9} {'floor':>5} {'goodput':>7} {'recovery':>8} {'pre-p99':>8}  faults", flush=True)
         every = scenarios(capacity)
         names = ["pause4+redis@50%"] if args.short else list(every)
         for name in names:
@@ -326,9 +374,13 @@ def main() -> int:
             redis = Redis(procs, args.redis_server, tmp)
             redis.start()
             keyspace = f"o{uuid.uuid4().hex[:10]}"
+            if name.startswith("pause4+redis"):
+                # The issue's sequence runs on a freshly started database.
+                cassandra = restart_cassandra()
+                log(f"{name}: Cassandra restarted (pid {cassandra})")
             cluster = Cluster(argparse.Namespace(**{**vars(args), "redis": redis.url()}), procs,
                               keyspace, 2, {"RUST_LOG": "warn"})
-            log(f"{name}: {rate:.0f}/s, a cluster in keyspace {keyspace} (cold: new tables)")
+            log(f"{name}: {rate:.0f}/s, a cluster in keyspace {keyspace} (new tables)")
             cluster.up()
             faults = Faults(redis, cassandra)
             report = run_load(args, cluster, tmp / f"{name}.json", rate, duration, losses=False,
@@ -341,7 +393,7 @@ def main() -> int:
             must = [m for m in missed if m in ("lost/repeats", "give-ups")]
             ok &= not (must if args.short else missed)
             print(f"{name:<18} {rate:>5.0f} {f['messages']:>6} {f['lost']:>4} {f['repeats']:>4} {f['gave_up']:>7} "
-                  f"{f['tries_per_message']:>9.2f} {f['goodput']:>6.0%} {f['recovery_s']:>7.0f}s "
+                  f"{f['tries_per_message']:>9.2f} {f['tries_floor']:>5.2f} {f['goodput']:>6.0%} {f['recovery_s']:>7.0f}s "
                   f"{f['pre_p99_ms']:>6.0f}ms  {'; '.join(faults.notes)}"
                   f"{'' if not missed else '  MISSED: ' + ', '.join(missed)}", flush=True)
             log(f"{name}: errors {f['errors']}")
@@ -354,7 +406,9 @@ def main() -> int:
         procs.stop_all()
     print(f"goals: 0 lost, 0 repeats; goodput >= 80% of min(offered, capacity {capacity:.0f}/s) "
           f"every second after the database answers again; p99 of the messages due back within 2x "
-          f"(+50 ms) of before the faults within 5 s of the last one ending; no phone gives up (31 s); <= 1.5 tries per message")
+          f"(+50 ms) of before the faults within 5 s of the last one ending; no phone gives up (31 s); <= 1.5 tries per message "
+          f"(floor: the tries per message phones on the 0-1-3-7-15 s schedule make when every try while the database "
+          f"is stopped fails and the next succeeds)")
     log(f"logs in {tmp}")
     return 0 if ok else 1
 

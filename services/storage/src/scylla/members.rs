@@ -19,6 +19,9 @@
 //! successful heartbeat is fresh enough that the write ends before the row
 //! runs out. Once that lapses, its cached seq blocks are void (the epoch
 //! moves on) and it must lease again, which fails if someone took over.
+//! A failed heartbeat is tried again within a quarter second, so a process
+//! whose membership lapsed while the database stalled writes again as soon
+//! as the database answers.
 
 use std::{
     sync::{
@@ -37,6 +40,9 @@ use super::{
     rows::{db_error, rows},
     unix_millis,
 };
+
+/// How soon a failed heartbeat is tried again.
+const HEARTBEAT_RETRY: Duration = Duration::from_millis(250);
 
 /// This process's membership and the statements it needs.
 pub(super) struct Membership {
@@ -104,15 +110,22 @@ impl Membership {
         let weak = Arc::downgrade(&member);
         let every = options.member_ttl / 4;
         let task = tokio::spawn(async move {
+            let mut next = every;
             loop {
-                tokio::time::sleep(every).await;
+                tokio::time::sleep(next).await;
                 let Some(member) = weak.upgrade() else { return };
                 if member.left.load(Ordering::SeqCst) {
                     return;
                 }
-                if let Err(e) = member.renew().await {
-                    tracing::warn!(error = %e, instance = %member.instance, "membership heartbeat failed");
-                }
+                next = match member.renew().await {
+                    Ok(()) => every,
+                    Err(e) => {
+                        tracing::warn!(error = %e, instance = %member.instance, "membership heartbeat failed");
+                        // Soon again: once the database answers, writes
+                        // resume with the next heartbeat, not a period later.
+                        every.min(HEARTBEAT_RETRY)
+                    }
+                };
             }
         });
         *member.renewals.lock().unwrap_or_else(|e| e.into_inner()) = Some(task);
