@@ -117,7 +117,7 @@ def finish_profiles(args, rate: int, profiles: list[tuple[str, subprocess.Popen]
     for name, perf in profiles:
         perf.wait(timeout=args.duration + 60)
         data = args.profile / f"{name}-{rate}.perf.data"
-        report = subprocess.run(["perf", "report", "-i", str(data), "--no-children", "--stdio",
+        report = subprocess.run(["perf", "report", "-i", str(data), "--no-children", "--stdio", "-g", "none",
                                  "--sort", "dso,symbol", "--percent-limit", "1"],
                                 capture_output=True, text=True).stdout
         (args.profile / f"{name}-{rate}.top.txt").write_text(report)
