@@ -100,11 +100,12 @@ class Cluster:
 
 
 def start_profiles(args, cluster: Cluster, rate: int) -> list[tuple[str, subprocess.Popen]]:
-    """`perf record` on every service for the sending phase of one rate."""
+    """`perf record` on every service for the sending phase of one rate, with
+    DWARF call graphs (the release build keeps no frame pointers)."""
     out = []
     for name in cluster.ports:
         data = args.profile / f"{name}-{rate}.perf.data"
-        argv = ["perf", "record", "-F", "499", "-g", "-q", "-o", str(data),
+        argv = ["perf", "record", "-F", "499", "--call-graph", "dwarf,16384", "-q", "-o", str(data),
                 "-p", str(cluster.pids[name]), "--", "sleep", f"{args.duration:g}"]
         out.append((name, subprocess.Popen(argv, stdout=subprocess.DEVNULL,
                                            stderr=subprocess.DEVNULL)))
