@@ -248,3 +248,32 @@ async fn a_gateway_shutting_down_answers_what_it_read_then_closes_with_1001() {
     }
     assert_eq!(ana.closed().await.code, Some(1001));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frame_larger_than_one_socket_read_arrives_whole() {
+    // The gateway reads a phone's socket in READ_BUFFER_BYTES; a frame
+    // several times that (a body at its limit, JSON-escaped to twice its
+    // size) is still one frame, stored intact.
+    let (cluster, _clock, _dir) = start().await;
+    let ana = connect(&cluster, "ana", Encoding::Json).await;
+    // Three characters in four bytes: the body is exactly at its limit.
+    let body: String = "\"é\n"
+        .chars()
+        .cycle()
+        .take(imdedup_core::model::DEFAULT_MAX_BODY_BYTES / 4 * 3)
+        .collect();
+    assert_eq!(body.len(), imdedup_core::model::DEFAULT_MAX_BODY_BYTES);
+    assert!(
+        serde_json::to_string(&body).unwrap().len() > 2 * imdedup_gateway::READ_BUFFER_BYTES,
+        "the frame must span several reads"
+    );
+    let ack = ana.send(b"big-1", "c", &body).await.unwrap().unwrap();
+    assert_eq!(ack.outcome, "stored");
+    let history = ana.full_history("c").await.unwrap().unwrap();
+    assert_eq!(history.len(), 1);
+    assert_eq!(history[0].body, body);
+    // And the connection goes on with small frames.
+    let ack = ana.send(b"small-1", "c", "after").await.unwrap().unwrap();
+    assert_eq!(ack.outcome, "stored");
+    cluster.shutdown().await;
+}
