@@ -35,6 +35,9 @@ IMDEDUP_MEMBERSHIP_URL: {{ . | quote }}
 {{- end }}
 IMDEDUP_BUSINESS_GRPC_LISTEN: {{ printf "%s:%d" $.Values.config.listenHost (int .) | quote }}
 {{- end }}
+{{- with .Values.gateway.workerThreads }}
+TOKIO_WORKER_THREADS: {{ . | int | quote }}
+{{- end }}
 {{- include "imdedup.tls.configData" (list . "gateway") }}
 {{- include "imdedup.commonEnv" . }}
 {{- end -}}

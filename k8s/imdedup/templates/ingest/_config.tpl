@@ -34,6 +34,9 @@ IMDEDUP_REDIS_WARMUP: {{ .Values.ingest.config.overload.redisWarmup | quote }}
 IMDEDUP_REDIS_CA: {{ printf "/etc/imdedup/redis-ca/%s" .Values.redis.caSecret.key | quote }}
 {{- end }}
 {{- end }}
+{{- with .Values.ingest.workerThreads }}
+TOKIO_WORKER_THREADS: {{ . | int | quote }}
+{{- end }}
 {{- include "imdedup.tls.configData" (list . "ingest") }}
 {{- include "imdedup.commonEnv" . }}
 {{- end -}}
