@@ -73,7 +73,8 @@ class Cluster:
         shards = ",".join(f"{n}=https://127.0.0.1:{self.ports[n][0]}" for n in self.names)
         if name == "storage":
             return [self.args.imdedup, "storage", *common, *self.tls_flags("storage"),
-                    "--data-dir", str(self.work / "storage")]
+                    "--data-dir", str(self.work / "storage"),
+                    "--commit-delay", self.args.commit_delay]
         if name == "gateway":
             return [self.args.imdedup, "gateway", *common, *self.tls_flags("gateway"),
                     "--shards", shards, "--storage", storage, "--groups-file", str(self.groups)]
@@ -196,6 +197,9 @@ def main() -> int:
                         help="let the driver's followers read every conversation while the load "
                              "runs (their reads then count in the services' CPU)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--commit-delay", default="1ms",
+                        help="storage's --commit-delay (how long a batch that is not full waits "
+                             "for more inserts before its commit)")
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="perf record every service while each rate runs; writes per service "
                              "and rate the top self-time symbols and (with inferno installed) a "

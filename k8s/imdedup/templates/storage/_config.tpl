@@ -5,6 +5,7 @@ IMDEDUP_ADMIN_LISTEN: {{ printf "%s:%d" .Values.config.listenHost (int .Values.s
 {{- if not (include "imdedup.scyllaMode" .) }}
 IMDEDUP_DATA_DIR: {{ .Values.storage.persistence.mountPath | quote }}
 IMDEDUP_STORAGE_MAX_BATCH: {{ .Values.storage.config.maxBatch | quote }}
+IMDEDUP_STORAGE_COMMIT_DELAY: {{ .Values.storage.config.commitDelay | quote }}
 {{- end }}
 IMDEDUP_GRACE: {{ printf "%ds" (int .Values.config.graceSeconds) | quote }}
 {{- include "imdedup.tls.configData" (list . "storage") }}

@@ -31,6 +31,11 @@ pub struct StorageArgs {
     /// Most inserts committed together (one fsync per batch).
     #[arg(long, env = "IMDEDUP_STORAGE_MAX_BATCH", default_value_t = 512)]
     pub max_batch: usize,
+    /// How long a batch that is not full waits for more inserts before its
+    /// commit: fewer transactions and fsyncs at low rates, for that much
+    /// latency. Inserts are still answered only after their commit.
+    #[arg(long, env = "IMDEDUP_STORAGE_COMMIT_DELAY", default_value = "1ms", value_parser = duration)]
+    pub commit_delay: Duration,
     /// Time given to calls in flight after SIGTERM.
     #[arg(long, env = "IMDEDUP_GRACE", default_value = "10s", value_parser = duration)]
     pub grace: Duration,
@@ -79,6 +84,7 @@ impl StorageArgs {
             None => {
                 let mut options = SqliteOptions::new(self.data_dir.join("messages.db"));
                 options.max_batch = self.max_batch;
+                options.commit_delay = self.commit_delay;
                 StorageBackend::Sqlite(options)
             }
         })
