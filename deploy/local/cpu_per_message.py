@@ -83,8 +83,10 @@ class Cluster:
 
     def up(self) -> None:
         for name in ["storage", *self.names, "gateway"]:
-            proc = self.procs.start(name, self.argv(name), {"IMDEDUP_TOKEN_SECRET": TOKEN_SECRET,
-                                                            "RUST_LOG": "warn"})
+            env = {"IMDEDUP_TOKEN_SECRET": TOKEN_SECRET, "RUST_LOG": "warn"}
+            if self.args.worker_threads:
+                env["TOKIO_WORKER_THREADS"] = str(self.args.worker_threads)
+            proc = self.procs.start(name, self.argv(name), env)
             self.pids[name] = proc.pid
             admin = self.ports[name][1]
             wait_for(f"{name} /readyz",
@@ -197,6 +199,10 @@ def main() -> int:
                         help="let the driver's followers read every conversation while the load "
                              "runs (their reads then count in the services' CPU)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--worker-threads", type=int, default=1,
+                        help="tokio worker threads of each service (TOKIO_WORKER_THREADS), as the "
+                             "chart's one-core pods run them; 0: one per CPU (the driver is not "
+                             "affected)")
     parser.add_argument("--commit-delay", default="1ms",
                         help="storage's --commit-delay (how long a batch that is not full waits "
                              "for more inserts before its commit)")
