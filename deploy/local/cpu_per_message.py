@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from localprocs import HarnessError, Processes, free_port, http_get, port_open, wait_for
+from localprocs import HarnessError, driver_report, Processes, free_port, http_get, port_open, wait_for
 
 TOKEN_SECRET = "cpu-per-message-secret-0123456789abcdef"
 # Issue 12's goal: the services' CPU per acknowledged message, and its ratio
@@ -158,10 +158,7 @@ def drive(args, cluster: Cluster, rate: int) -> dict:
         code = driver.wait(timeout=args.duration + 300)
         if profiles:
             finish_profiles(args, rate, profiles)
-    if not out.exists():
-        raise HarnessError(f"the driver wrote no report (exit {code}); log: {log_file}\n"
-                           f"{log_file.read_text(errors='replace')[-2000:]}")
-    report = json.loads(out.read_text())
+    report = driver_report(out, log_file, code)
     report["exit"] = code
     return report
 

@@ -27,7 +27,7 @@ import time
 import uuid
 from pathlib import Path
 
-from localprocs import HarnessError, Processes, free_port, http_get, wait_for
+from localprocs import HarnessError, driver_report, Processes, free_port, http_get, wait_for
 
 TOKEN_SECRET = "fault-scenarios-secret-0123456789"
 T0 = time.monotonic()
@@ -158,10 +158,7 @@ def load(args, cluster: Cluster, out: Path, fault) -> dict:
     thread.join(timeout=120)
     if failure:
         raise HarnessError(f"the fault step failed: {failure[0]}")
-    if not out.exists():
-        raise HarnessError(f"the load driver wrote no report (exit {driver.returncode}); "
-                           f"log: {log_file}\n{log_file.read_text(errors='replace')[-2000:]}")
-    return json.loads(out.read_text())
+    return driver_report(out, log_file, driver.returncode)
 
 
 def scenarios(cluster: Cluster, duration: float):

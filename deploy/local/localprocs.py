@@ -4,6 +4,7 @@ standard library only."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -17,6 +18,14 @@ from pathlib import Path
 
 class HarnessError(Exception):
     """A harness step failed; the message says which and why."""
+
+
+def driver_report(out: Path, log_file: Path, code: int | None) -> dict:
+    """The JSON report the load driver wrote to `out`, or why there is none."""
+    if not out.exists():
+        raise HarnessError(f"the load driver wrote no report (exit {code}); log: {log_file}\n"
+                           f"{log_file.read_text(errors='replace')[-2000:]}")
+    return json.loads(out.read_text())
 
 
 class Processes:

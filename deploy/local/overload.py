@@ -24,7 +24,7 @@ import uuid
 from pathlib import Path
 
 from faults import Cluster, TOKEN_SECRET
-from localprocs import HarnessError, Processes, free_port, wait_for, port_open
+from localprocs import HarnessError, driver_report, Processes, free_port, wait_for, port_open
 
 T0 = time.monotonic()
 USERS = 60
@@ -261,10 +261,7 @@ def run_load(args, cluster: Cluster, out: Path, rate: float, duration: float, lo
         thread.join(timeout=60)
     if failure:
         raise HarnessError(f"the fault step failed: {failure[0]}")
-    if not out.exists():
-        raise HarnessError(f"the load driver wrote no report (exit {driver.returncode}); "
-                           f"log: {log_file}\n{log_file.read_text(errors='replace')[-2000:]}")
-    return json.loads(out.read_text())
+    return driver_report(out, log_file, driver.returncode)
 
 
 def figures(report: dict, rate: float, capacity: float, duration: float, faults: Faults) -> dict:

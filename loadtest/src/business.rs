@@ -23,7 +23,6 @@ use std::{
 };
 
 use anyhow::{Context, bail};
-use futures_util::StreamExt;
 use imdedup_client::{
     AckReply,
     business::{BusinessHttp, RetryPolicy},
@@ -46,7 +45,7 @@ use crate::{
     follow,
     phone::{Trace, wait_until},
     report::Report,
-    run::{AUDIT_PULLS_IN_FLIGHT, LoadConfig, Outcome, Target, connect_all, due_after},
+    run::{LoadConfig, Outcome, Target, connect_all, due_after, pull_histories},
 };
 
 /// What the business scenario adds to a load run. Of the load's loss
@@ -407,27 +406,7 @@ pub async fn run(config: BusinessConfig) -> anyhow::Result<Outcome> {
     };
 
     // What the receivers see.
-    let mut pulls = futures_util::stream::iter(readers.clone())
-        .map(|(conversation, reader)| {
-            let phones = &phones;
-            async move {
-                let pulled = match phones[reader].0.client().await {
-                    Ok((_, client)) => client.full_history(&conversation).await,
-                    Err(e) => Err(e),
-                };
-                (conversation, pulled)
-            }
-        })
-        .buffer_unordered(AUDIT_PULLS_IN_FLIGHT);
-    let mut histories = HashMap::new();
-    while let Some((conversation, pulled)) = pulls.next().await {
-        let rows = match pulled? {
-            Ok(rows) => rows,
-            Err(e) => bail!("history of {conversation}: {} ({})", e.code, e.message),
-        };
-        histories.insert(conversation, rows);
-    }
-    drop(pulls);
+    let histories = pull_histories(&phones, readers).await?;
 
     let results = std::mem::take(&mut *results.lock().map_err(|_| anyhow::anyhow!("poisoned"))?);
     let mut figures = Figures {

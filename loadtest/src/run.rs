@@ -15,7 +15,7 @@ use std::{
 
 use anyhow::{Context, bail};
 use futures_util::StreamExt;
-use imdedup_client::{Client, Encoding};
+use imdedup_client::{Client, Encoding, HistoryMessage};
 use imdedup_cluster::{ClusterOptions, LocalCluster};
 use imdedup_core::{
     clock::{Clock, ManualClock, SystemClock},
@@ -121,6 +121,32 @@ struct Planned {
     offsets: Vec<Duration>,
     fates: Vec<Fate>,
     concurrent_copy: bool,
+}
+
+/// Every conversation's stored history, each read by `(conversation,
+/// phone)` on that phone's link, a few at a time.
+pub(crate) async fn pull_histories(
+    phones: &[(Link, Option<Client>)],
+    readers: Vec<(String, usize)>,
+) -> anyhow::Result<HashMap<String, Vec<HistoryMessage>>> {
+    let mut pulls = futures_util::stream::iter(readers)
+        .map(|(conversation, reader)| async move {
+            let pulled = match phones[reader].0.client().await {
+                Ok((_, client)) => client.full_history(&conversation).await,
+                Err(e) => Err(e),
+            };
+            (conversation, pulled)
+        })
+        .buffer_unordered(AUDIT_PULLS_IN_FLIGHT);
+    let mut histories = HashMap::new();
+    while let Some((conversation, pulled)) = pulls.next().await {
+        let rows = match pulled? {
+            Ok(rows) => rows,
+            Err(e) => bail!("history of {conversation}: {} ({})", e.code, e.message),
+        };
+        histories.insert(conversation, rows);
+    }
+    Ok(histories)
 }
 
 /// Connect every phone at once (and a second connection each, if asked).
@@ -534,27 +560,7 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
 
     // The receivers' view: every conversation's stored history.
     // Each conversation is read by one of its members, on that phone's link.
-    let mut pulls = futures_util::stream::iter(readers(&plan))
-        .map(|(conversation, reader)| {
-            let phones = &phones;
-            async move {
-                let pulled = match phones[reader].0.client().await {
-                    Ok((_, client)) => client.full_history(&conversation).await,
-                    Err(e) => Err(e),
-                };
-                (conversation, pulled)
-            }
-        })
-        .buffer_unordered(AUDIT_PULLS_IN_FLIGHT);
-    let mut histories = HashMap::new();
-    while let Some((conversation, pulled)) = pulls.next().await {
-        let rows = match pulled? {
-            Ok(rows) => rows,
-            Err(e) => bail!("history of {conversation}: {} ({})", e.code, e.message),
-        };
-        histories.insert(conversation, rows);
-    }
-    drop(pulls);
+    let histories = pull_histories(&phones, readers(&plan)).await?;
     let sent: Vec<Sent> = plan
         .iter()
         .zip(traces)

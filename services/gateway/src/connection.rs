@@ -141,18 +141,7 @@ pub async fn run(
         let inbound = match decoded {
             Ok(inbound) => inbound,
             Err((to, error)) => {
-                // A malformed send (not a pull) is a send answered with an error.
-                if to.reference.is_none() {
-                    gateway
-                        .metrics()
-                        .send_answered(Err(error.kind()), read_at.elapsed());
-                }
-                let _ = out
-                    .send(message(frames::encode(
-                        encoding,
-                        Outbound::Error { to, error },
-                    )))
-                    .await;
+                refuse(&gateway, &out, encoding, to, error, read_at).await;
                 continue;
             }
         };
@@ -177,17 +166,7 @@ pub async fn run(
                     Inbound::Send(cmd) => ReplyTo::send(cmd),
                     Inbound::History(cmd) => ReplyTo::history(cmd),
                 };
-                if to.reference.is_none() {
-                    gateway
-                        .metrics()
-                        .send_answered(Err(error.kind()), read_at.elapsed());
-                }
-                let _ = out
-                    .send(message(frames::encode(
-                        encoding,
-                        Outbound::Error { to, error },
-                    )))
-                    .await;
+                refuse(&gateway, &out, encoding, to, error, read_at).await;
                 continue;
             }
         };
@@ -305,6 +284,29 @@ impl Turn {
         }
         Going { _done: self.done }
     }
+}
+
+/// Answer a frame the gateway will not act on with `error`; a refused send
+/// (not a pull) counts as a send answered with an error.
+async fn refuse(
+    gateway: &Gateway,
+    out: &mpsc::Sender<Message>,
+    encoding: Encoding,
+    to: ReplyTo,
+    error: Error,
+    read_at: Instant,
+) {
+    if to.reference.is_none() {
+        gateway
+            .metrics()
+            .send_answered(Err(error.kind()), read_at.elapsed());
+    }
+    let _ = out
+        .send(message(frames::encode(
+            encoding,
+            Outbound::Error { to, error },
+        )))
+        .await;
 }
 
 fn message(encoded: Encoded) -> Message {
