@@ -24,7 +24,7 @@
 # minutes; --short runs the sequence at half the capacity only (the
 # suite's version, ~1 minute; it fails on losses, repeats and give-ups).
 #
-#   deploy/local/overload.sh [--short] [--only NAME] [--capacity MSGS_PER_S]
+#   deploy/local/overload.sh [--short] [--only NAME] [--capacity MSGS_PER_S] [--fresh-db]
 #
 # Uses the Cassandra of deploy/local/services.sh (started if not running;
 # paused and resumed by this script) and builds target/debug/imdedup and
