@@ -24,7 +24,7 @@ import uuid
 from pathlib import Path
 
 from faults import Cluster, TOKEN_SECRET
-from localprocs import HarnessError, driver_report, Processes, free_port, wait_for, port_open
+from localprocs import HarnessError, driver_report, Processes, free_port, http_get, wait_for, port_open
 
 T0 = time.monotonic()
 USERS = 60
@@ -186,6 +186,57 @@ class Faults:
             os.kill(self.cassandra, signal.SIGCONT)
 
 
+class Sampler:
+    """Every half second, each ingest's adaptive limit, inserts in flight and
+    sends shed so far, from its /metrics: written to a TSV beside the
+    report, to see what the limit did during the faults."""
+
+    FIELDS = ("limit", "in_flight", "shed_db_limit", "shed_deadline")
+    NAMES = {"imdedup_ingest_db_concurrency_limit": "limit", "imdedup_ingest_db_in_flight": "in_flight"}
+
+    def __init__(self, cluster: Cluster, out: Path, t0: float):
+        self.cluster, self.out, self.t0 = cluster, out, t0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def sample(self, admin: int) -> dict[str, str]:
+        try:
+            _, body = http_get(f"http://127.0.0.1:{admin}/metrics", timeout=0.4)
+        except OSError:
+            return {}
+        found = {}
+        for line in body.decode(errors="replace").splitlines():
+            if line.startswith("#"):
+                continue
+            metric, _, value = line.rpartition(" ")
+            name = metric.split("{")[0]
+            if name in self.NAMES:
+                found[self.NAMES[name]] = value
+            elif name == "imdedup_ingest_shed_total":
+                for reason in ("db_limit", "deadline"):
+                    if f'reason="{reason}"' in metric:
+                        found[f"shed_{reason}"] = value
+        return found
+
+    def run(self) -> None:
+        with open(self.out, "w") as f:
+            f.write("t\tshard\t" + "\t".join(self.FIELDS) + "\n")
+            while not self.done.wait(0.5):
+                t = time.monotonic() - self.t0 - DRIVER_LEAD
+                for name in self.cluster.names:
+                    got = self.sample(self.cluster.port(name)[1])
+                    f.write(f"{t:.1f}\t{name}\t" + "\t".join(got.get(v, "") for v in self.FIELDS) + "\n")
+                f.flush()
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_):
+        self.done.set()
+        self.thread.join(timeout=5)
+
+
 def scenarios(capacity: float):
     """name -> (rate, duration, fault(faults))."""
 
@@ -249,8 +300,10 @@ def run_load(args, cluster: Cluster, out: Path, rate: float, duration: float, lo
         thread = threading.Thread(target=body, daemon=True)
         faults.t0 = time.monotonic()
         thread.start()
+    sampler = Sampler(cluster, out.with_suffix(".metrics.tsv"), faults.t0 if faults else time.monotonic())
     try:
-        driver.wait(timeout=duration + 300)
+        with sampler:
+            driver.wait(timeout=duration + 300)
     except subprocess.TimeoutExpired:
         driver.kill()
         raise HarnessError(f"the load driver did not finish; log: {log_file}")

@@ -92,9 +92,18 @@ pub async fn wait_until(deadline: Instant) {
     }
 }
 
+/// The shortest wait a retry-after hint buys: a server answering 0 ms (or
+/// 1 ms) must not turn a phone into a busy loop.
+const MIN_PUSHBACK: Duration = Duration::from_millis(20);
+
 /// Deliver one message the way a phone does, starting at `due`: a try at
-/// each offset (or later, when the server asked to wait), the network's
-/// fate for each, and no more tries after `give_up`.
+/// each offset, the network's fate for each, and no more tries after
+/// `give_up`. The offsets are for silence (no answer: maybe the send was
+/// lost, maybe its ACK). An answer that asks to wait (a retryable error with
+/// a retry-after hint, gRPC's "pushback") is not silence: the phone tries
+/// again once that wait is over, and the try does not use up a step of the
+/// schedule, so a phone the server keeps asking to wait keeps trying until
+/// `give_up` instead of running out of steps.
 pub async fn deliver(
     link: &Link,
     message: Outgoing<'_>,
@@ -104,13 +113,15 @@ pub async fn deliver(
     give_up: Duration,
 ) -> Trace {
     let mut trace = Trace::default();
-    // A server's retry-after hint moves the next try later, never earlier.
-    let mut not_before = due;
-    for (offset, fate) in offsets.iter().zip(fates) {
-        wait_until((due + *offset).max(not_before)).await;
+    // When the server last asked for the next try.
+    let mut pushed_to: Option<Instant> = None;
+    let mut step = 0;
+    while let (Some(offset), Some(fate)) = (offsets.get(step), fates.get(step)) {
+        wait_until(pushed_to.take().unwrap_or(due + *offset)).await;
         trace.tries += 1;
         if fate.send_lost {
             trace.sends_lost += 1;
+            step += 1;
             continue;
         }
         // A connection the gateway closed is dialled again.
@@ -137,17 +148,22 @@ pub async fn deliver(
             }
             Ok((_, _, Err(e))) => {
                 let retryable = e.retryable;
-                if let Some(wait) = e.retry_after {
-                    not_before = Instant::now() + wait;
-                }
                 trace.errors.push(e.code);
                 if !retryable {
                     return trace;
                 }
+                if let Some(wait) = e.retry_after {
+                    // The same step again, once the wait is over.
+                    pushed_to = Some(Instant::now() + wait.max(MIN_PUSHBACK));
+                }
             }
             Err(e) => trace.errors.push(format!("connection: {e}")),
         }
-        if due.elapsed() >= give_up {
+        if pushed_to.is_none() {
+            step += 1;
+        }
+        let next = pushed_to.or_else(|| offsets.get(step).map(|offset| due + *offset));
+        if due.elapsed() >= give_up || next.is_some_and(|next| next >= due + give_up) {
             break;
         }
     }

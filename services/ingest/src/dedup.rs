@@ -666,36 +666,49 @@ mod tests {
         assert_eq!(store.inserts.load(Ordering::SeqCst), 2);
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn beyond_the_database_limit_a_send_is_refused_at_once_and_stores_nothing() {
-        let store = Arc::new(SlowStore::default());
-        let dedup = Arc::new(
+    fn limited_to_two(store: Arc<SlowStore>, queue_wait: Duration) -> Arc<Dedup> {
+        Arc::new(
             Dedup::new(
                 Arc::new(MemoryWindow::new(MemoryWindowOptions::default())),
-                store.clone(),
+                store,
                 Duration::from_secs(1),
             )
             .with_db_limit(DbLimitOptions {
                 initial: 2,
                 min: 2,
                 max: 2,
+                queue_wait,
                 ..DbLimitOptions::default()
             }),
-        );
-        // Two slow inserts hold the limit; the third send finds it full.
-        let running: Vec<_> = ["m1", "m2"]
-            .into_iter()
-            .map(|id| {
-                let dedup = Arc::clone(&dedup);
+        )
+    }
+
+    fn send_all(
+        dedup: &Arc<Dedup>,
+        ids: &[&'static str],
+    ) -> Vec<tokio::task::JoinHandle<Result<Ack, Error>>> {
+        ids.iter()
+            .map(|&id| {
+                let dedup = Arc::clone(dedup);
                 tokio::spawn(async move { dedup.send(message(id)).await })
             })
-            .collect();
-        tokio::time::sleep(Duration::from_millis(10)).await;
+            .collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn beyond_the_database_limit_a_send_finding_no_place_in_time_is_refused_and_stores_nothing()
+     {
+        let store = Arc::new(SlowStore::default());
+        // Inserts take 50 ms; a send waits 10 ms at most for a place.
+        let dedup = limited_to_two(store.clone(), Duration::from_millis(10));
+        // Two slow inserts hold the limit; the third send finds it full.
+        let running = send_all(&dedup, &["m1", "m2"]);
+        tokio::time::sleep(Duration::from_millis(1)).await;
         let err = dedup.send(message("m3")).await.unwrap_err();
         // (The clock is paused: the slow inserts cannot have finished.)
         assert!(
             running.iter().all(|send| !send.is_finished()),
-            "refused at once, not queued behind the slow inserts"
+            "refused after its short wait, not queued behind the slow inserts"
         );
         assert_eq!(err.kind(), ErrorKind::Overloaded);
         assert!(err.retry_after().is_some());
@@ -707,6 +720,44 @@ mod tests {
         // Its claim was released: the resend is stored.
         let ack = dedup.send(message("m3")).await.unwrap();
         assert_eq!(ack.outcome, Outcome::Stored);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn beyond_the_database_limit_a_send_waits_a_little_for_a_place_in_arrival_order() {
+        let store = Arc::new(SlowStore::default());
+        // Inserts take 50 ms; a send may wait 175 ms for a place.
+        let dedup = limited_to_two(store.clone(), Duration::from_millis(175));
+        let sends = send_all(
+            &dedup,
+            &["m1", "m2", "m3", "m4", "m5", "m6", "m7", "m8", "m9", "m10"],
+        );
+        let mut outcomes = Vec::new();
+        for send in sends {
+            outcomes.push(
+                send.await
+                    .unwrap()
+                    .map(|ack| ack.outcome)
+                    .map_err(|e| e.kind()),
+            );
+        }
+        // Two places free every 50 ms: m3-m4 get them at 50 ms, m5-m6 at
+        // 100, m7-m8 at 150; m9-m10 would at 200, after their wait.
+        let stored = outcomes
+            .iter()
+            .filter(|o| **o == Ok(Outcome::Stored))
+            .count();
+        let refused = outcomes
+            .iter()
+            .filter(|o| **o == Err(ErrorKind::Overloaded))
+            .count();
+        assert_eq!((stored, refused), (8, 2), "{outcomes:?}");
+        assert_eq!(
+            outcomes[8..],
+            [Err(ErrorKind::Overloaded); 2],
+            "the latest ones wait longest"
+        );
+        assert_eq!(store.inserts.load(Ordering::SeqCst), 8);
+        assert_eq!(dedup.metrics().shed_count("db_limit"), 2);
     }
 
     #[tokio::test]

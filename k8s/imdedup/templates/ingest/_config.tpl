@@ -20,6 +20,7 @@ IMDEDUP_DB_CONCURRENCY_INITIAL: {{ .dbConcurrencyInitial | int64 | quote }}
 IMDEDUP_DB_CONCURRENCY_MIN: {{ .dbConcurrencyMin | int64 | quote }}
 IMDEDUP_DB_CONCURRENCY_MAX: {{ .dbConcurrencyMax | int64 | quote }}
 IMDEDUP_DB_SLOW_INSERT: {{ .dbSlowInsert | quote }}
+IMDEDUP_DB_QUEUE_WAIT: {{ .dbQueueWait | quote }}
 {{- end }}
 IMDEDUP_MAX_BODY_BYTES: {{ .Values.config.maxBodyBytes | quote }}
 IMDEDUP_GRACE: {{ printf "%ds" (int .Values.config.graceSeconds) | quote }}

@@ -82,6 +82,10 @@ pub struct IngestArgs {
     /// An insert slower than this lowers the limit, as a failed one does.
     #[arg(long, env = "IMDEDUP_DB_SLOW_INSERT", default_value = "500ms", value_parser = duration)]
     pub db_slow_insert: Duration,
+    /// How long a send beyond the limit may wait for a place before it is
+    /// refused with `overloaded` (0s: refused at once).
+    #[arg(long, env = "IMDEDUP_DB_QUEUE_WAIT", default_value = "200ms", value_parser = duration)]
+    pub db_queue_wait: Duration,
     /// Refused: switching dedup off exists only for demonstrations, in
     /// local mode (`imdedup demo --no-dedup`, `imdedup dev --no-dedup`,
     /// `imdedup-load --embedded --no-dedup`).
@@ -230,6 +234,7 @@ pub async fn ingest(args: IngestArgs) -> anyhow::Result<()> {
             min: args.db_concurrency_min,
             max: args.db_concurrency_max,
             slow: args.db_slow_insert,
+            queue_wait: args.db_queue_wait,
         });
     if let Some(ownership) = ownership {
         dedup = dedup.with_ownership(ownership);
