@@ -4,9 +4,9 @@
 # storm that collapses goodput. Each scenario runs on a cluster of its own
 # (storage, two ingest shards writing to Cassandra themselves, a gateway;
 # separate processes over mutual TLS) in a fresh keyspace, with a private
-# Redis, under `imdedup-load steady` (60 phones without network loss,
-# phones that honour retry-after, resend at 1, 3, 7 and 15 s and give up
-# after 31 s):
+# Redis, under `imdedup-load steady` (60 phones without network loss that
+# resend at 1, 3, 7 and 15 s when no answer comes, come back when a
+# retry-after hint says, as gRPC pushback, and give up after 31 s):
 #   capacity probe        800/s offered for 8 s: what the cluster acknowledges
 #   pause4+redis@50%      the sequence at half the capacity: Cassandra
 #                         SIGSTOPped 4 s at 6 s, Redis SIGKILLed at 13 s, back
@@ -20,12 +20,16 @@
 # the database stores nothing), the lowest goodput (acknowledged/s over
 # min(offered, capacity)) of any second after the database answers again,
 # seconds until p99 is back to its pre-fault level, and the pre-fault p99.
+# Each shard's adaptive limit, inserts in flight and sends shed, sampled
+# every half second, go to <scenario>.metrics.tsv in the logs directory.
 # Exits 1 unless every scenario meets the goals (printed last). About 4
 # minutes; --short runs the sequence at half the capacity only (the
 # suite's version, ~1 minute; it fails on losses, repeats and give-ups).
 #
 #   deploy/local/overload.sh [--short] [--only NAME] [--capacity MSGS_PER_S] [--fresh-db]
 #
+# --fresh-db restarts that Cassandra before the sequence, which then
+# runs on a cold database (the suite does so).
 # Uses the Cassandra of deploy/local/services.sh (started if not running;
 # paused and resumed by this script) and builds target/debug/imdedup and
 # imdedup-load unless IMDEDUP_OVERLOAD_NO_BUILD=1.

@@ -5,8 +5,11 @@
 //! cuts it by a tenth, at most once per round trip (a slow insert that
 //! started before the last cut says nothing new), so when the database
 //! stalls the limit falls by a tenth per round trip until what is in flight
-//! comes back in time. An insert beyond the limit waits for a place (in
-//! arrival order) at most `queue_wait`, a fraction of a phone's first resend
+//! comes back in time. Below half the limit it had when it was last cut
+//! after growing, it grows by one per good insert instead (TCP's slow
+//! start), so after a stall has cut it to the floor it is back to half its
+//! old size within a few round trips. An insert beyond the limit waits for a place (in
+//! arrival order) at most `queue_wait`, just under a phone's first resend
 //! interval: a short burst is absorbed without a refusal and an extra try.
 //! It is never queued to time out: once the wait is over it is refused with
 //! `overloaded` and a retry-after hint (`tower-acc`'s limit layer, whose
@@ -58,7 +61,7 @@ pub const DB_BUSY_RETRY_AFTER: Duration = Duration::from_millis(250);
 /// refuses more than it serves.
 pub const DB_BUSY_MAX_RETRY_AFTER: Duration = Duration::from_secs(4);
 /// The longest wait asked for while the database does not answer.
-pub const DB_DOWN_RETRY_AFTER: Duration = Duration::from_secs(2);
+pub const DB_DOWN_RETRY_AFTER: Duration = Duration::from_secs(4);
 
 /// Bounds of the adaptive limit.
 #[derive(Debug, Clone, Copy)]
@@ -83,7 +86,7 @@ impl Default for DbLimitOptions {
             min: 8,
             max: 1024,
             slow: Duration::from_millis(500),
-            queue_wait: Duration::from_millis(200),
+            queue_wait: Duration::from_millis(800),
         }
     }
 }
@@ -165,6 +168,8 @@ impl DbLimit {
             max,
             slow: options.slow,
             last_cut: None,
+            threshold: 0.0,
+            grew: true,
             metrics: metrics.clone(),
         };
         metrics.set_db_limit(algorithm.max_concurrency());
@@ -270,6 +275,14 @@ struct Aimd {
     slow: Duration,
     /// When the limit was last cut.
     last_cut: Option<Instant>,
+    /// Below this the limit grows by one per good insert (doubling per
+    /// round trip, TCP's slow start), above it by one per round trip: half
+    /// the limit at the first cut after it last grew, so after a long
+    /// stall has cut it to the floor it gets back to half its old size in
+    /// a few round trips rather than one step per round trip.
+    threshold: f64,
+    /// Whether it grew since the last cut.
+    grew: bool,
     metrics: IngestMetrics,
 }
 
@@ -293,11 +306,20 @@ impl Algorithm for Aimd {
                 return;
             }
             self.last_cut = Some(now);
+            if std::mem::take(&mut self.grew) {
+                self.threshold = self.limit / 2.0;
+            }
             self.limit = (self.limit * BACKOFF).max(self.min as f64);
         } else if num_inflight * 2 >= before {
             // Grow only while the limit is used: an idle shard's limit
             // says nothing about the database.
-            self.limit = (self.limit + 1.0 / self.limit).min(self.max as f64);
+            let step = if self.limit < self.threshold {
+                1.0
+            } else {
+                1.0 / self.limit
+            };
+            self.limit = (self.limit + step).min(self.max as f64);
+            self.grew = true;
         }
         if self.max_concurrency() != before {
             self.metrics.set_db_limit(self.max_concurrency());
@@ -316,6 +338,8 @@ mod tests {
             max: 1024,
             slow: Duration::from_millis(500),
             last_cut: None,
+            threshold: 0.0,
+            grew: true,
             metrics: IngestMetrics::default(),
         }
     }
@@ -348,6 +372,20 @@ mod tests {
             limit.update(Duration::from_millis(1), 8, true, false);
         }
         assert_eq!(limit.max_concurrency(), 8, "to the floor, not below");
+        // Once it answers again the limit doubles per round trip up to half
+        // what it was before the stall (52 / 2), then grows by one per
+        // round trip: 18 good inserts take it from 8 to 26, not to 8.4.
+        for _ in 0..18 {
+            let busy = limit.max_concurrency();
+            limit.update(Duration::from_millis(20), busy, false, false);
+        }
+        assert_eq!(limit.max_concurrency(), 26);
+        for _ in 0..26 {
+            limit.update(Duration::from_millis(20), 26, false, false);
+        }
+        // (one more step of one takes it past 26.4, then about one per
+        // round trip of 27)
+        assert_eq!(limit.max_concurrency(), 27, "one per round trip above it");
     }
 
     #[test]

@@ -84,7 +84,7 @@ pub struct IngestArgs {
     pub db_slow_insert: Duration,
     /// How long a send beyond the limit may wait for a place before it is
     /// refused with `overloaded` (0s: refused at once).
-    #[arg(long, env = "IMDEDUP_DB_QUEUE_WAIT", default_value = "200ms", value_parser = duration)]
+    #[arg(long, env = "IMDEDUP_DB_QUEUE_WAIT", default_value = "800ms", value_parser = duration)]
     pub db_queue_wait: Duration,
     /// Refused: switching dedup off exists only for demonstrations, in
     /// local mode (`imdedup demo --no-dedup`, `imdedup dev --no-dedup`,

@@ -44,6 +44,12 @@ use super::{
 /// How soon a failed heartbeat is tried again.
 const HEARTBEAT_RETRY: Duration = Duration::from_millis(250);
 
+/// The retry-after hint of a write refused while the membership has lapsed:
+/// the time since it lapsed, within these bounds, so a phone's tries thin
+/// out the way its own backoff would while the database stays away.
+const LAPSED_RETRY_AFTER: (Duration, Duration) =
+    (Duration::from_millis(250), Duration::from_secs(4));
+
 /// This process's membership and the statements it needs.
 pub(super) struct Membership {
     instance: String,
@@ -167,9 +173,11 @@ impl Membership {
         if unix_millis() < until && !self.left.load(Ordering::SeqCst) {
             return Ok(self.epoch.load(Ordering::SeqCst));
         }
+        let lapsed_for = Duration::from_millis(u64::try_from(unix_millis() - until).unwrap_or(0));
         Err(Error::unavailable(
             "this writer's membership has lapsed (is the database reachable?); retry",
-        ))
+        )
+        .with_retry_after(lapsed_for.clamp(LAPSED_RETRY_AFTER.0, LAPSED_RETRY_AFTER.1)))
     }
 
     /// Whether `instance` may still be writing.
