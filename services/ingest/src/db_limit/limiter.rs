@@ -63,7 +63,9 @@ impl Limiter {
         // An insert given up before it finished (its caller went away)
         // says nothing about the database.
         if let Some(failed) = failed {
-            let in_flight = state.permits - self.semaphore.available_permits();
+            let in_flight = state
+                .permits
+                .saturating_sub(self.semaphore.available_permits());
             state.aimd.update(rtt, in_flight, failed);
         }
         let limit = state.aimd.max_concurrency();
@@ -109,8 +111,8 @@ impl Drop for Slot {
 }
 
 /// The limit: additive increase per round trip, multiplicative decrease
-/// at most once per round trip (see the module's comment), shown as a gauge
-/// after every change.
+/// at most once per round trip, slow start below the threshold (see the
+/// comment of [`super`]).
 #[derive(Debug)]
 pub(super) struct Aimd {
     limit: f64,
