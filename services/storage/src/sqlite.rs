@@ -7,8 +7,9 @@
 //! answers each caller. With a `commit_delay`, a batch that is not full
 //! waits that long for more inserts first: at low rates, where inserts do
 //! not queue, it trades that much latency for fewer transactions and
-//! fsyncs. An insert is still answered only after its commit. A repeat rolls back its savepoint, so it never spends
-//! a seq. Reads use a small pool of separate connections.
+//! fsyncs. An insert is still answered only after its commit. A repeat
+//! rolls back its savepoint, so it never spends a seq. Reads use a small
+//! pool of separate connections.
 
 use std::{
     path::{Path, PathBuf},

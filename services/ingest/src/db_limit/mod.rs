@@ -40,10 +40,7 @@
 //! that matter and leaves a slow-but-working database alone.
 
 use std::{
-    sync::{
-        Arc, Mutex, PoisonError,
-        atomic::{AtomicU64, Ordering},
-    },
+    sync::{Arc, Mutex, PoisonError},
     time::{Duration, Instant},
 };
 
@@ -102,21 +99,20 @@ pub struct DbLimit {
     store: Arc<dyn MessageStore>,
     limiter: Arc<Limiter>,
     metrics: IngestMetrics,
-    /// When an insert last succeeded, in ms after `epoch`.
-    last_ok_ms: Arc<AtomicU64>,
-    epoch: Instant,
-    /// Inserts completed and sends refused, this second and the last.
+    /// Inserts completed and sends refused, for the retry-after hint.
     pressure: Arc<Mutex<Pressure>>,
     queue_wait: Duration,
 }
 
-/// Counts of the current second and the one before, for the retry-after
-/// hint.
+/// Inserts completed and sends refused in the current second and the one
+/// before, and when an insert last succeeded: what the retry-after hint is
+/// made of.
 #[derive(Debug)]
 struct Pressure {
     since: Instant,
     served: [u64; 2],
     refused: [u64; 2],
+    last_served: Instant,
 }
 
 impl Pressure {
@@ -125,6 +121,7 @@ impl Pressure {
             since: now,
             served: [0; 2],
             refused: [0; 2],
+            last_served: now,
         }
     }
 
@@ -132,7 +129,9 @@ impl Pressure {
     fn roll(&mut self, now: Instant) {
         let elapsed = now.saturating_duration_since(self.since);
         if elapsed >= Duration::from_secs(2) {
-            *self = Self::new(now);
+            self.since = now;
+            self.served = [0; 2];
+            self.refused = [0; 2];
         } else if elapsed >= Duration::from_secs(1) {
             self.served = [0, self.served[0]];
             self.refused = [0, self.refused[0]];
@@ -143,11 +142,22 @@ impl Pressure {
     fn served(&mut self, now: Instant) {
         self.roll(now);
         self.served[0] += 1;
+        self.last_served = now;
     }
 
-    fn refused(&mut self, now: Instant) {
+    /// Count a refused send; the wait to ask it for, before jitter (see the
+    /// module's comment).
+    fn refused(&mut self, now: Instant) -> Duration {
         self.roll(now);
         self.refused[0] += 1;
+        let quiet = now.saturating_duration_since(self.last_served);
+        if quiet > DB_BUSY_RETRY_AFTER {
+            quiet.min(DB_DOWN_RETRY_AFTER)
+        } else {
+            let ratio = self.ratio(now);
+            Duration::from_secs_f64(ratio.min(DB_BUSY_MAX_RETRY_AFTER.as_secs_f64()))
+                .max(DB_BUSY_RETRY_AFTER)
+        }
     }
 
     /// Sends refused per insert completed, over the last second or two.
@@ -169,35 +179,13 @@ impl DbLimit {
             store,
             limiter: Arc::new(Limiter::new(aimd, metrics.clone())),
             metrics,
-            last_ok_ms: Arc::default(),
-            epoch: Instant::now(),
             pressure: Arc::new(Mutex::new(Pressure::new(Instant::now()))),
             queue_wait: options.queue_wait,
         }
     }
 
-    fn since_epoch_ms(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
-    }
-
     fn pressure(&self) -> std::sync::MutexGuard<'_, Pressure> {
         self.pressure.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// The wait to ask a refused send for (see the module's comment).
-    fn retry_after(&self) -> Duration {
-        let quiet = Duration::from_millis(
-            self.since_epoch_ms()
-                .saturating_sub(self.last_ok_ms.load(Ordering::Relaxed)),
-        );
-        let wait = if quiet > DB_BUSY_RETRY_AFTER {
-            quiet.min(DB_DOWN_RETRY_AFTER)
-        } else {
-            let ratio = self.pressure().ratio(Instant::now());
-            Duration::from_secs_f64(ratio.min(DB_BUSY_MAX_RETRY_AFTER.as_secs_f64()))
-                .max(DB_BUSY_RETRY_AFTER)
-        };
-        wait.mul_f64(rand::rng().random_range(0.5..=1.5))
     }
 
     /// Insert `message` within `timeout`; when the limit is reached, wait
@@ -208,10 +196,11 @@ impl DbLimit {
         let wait = self.queue_wait.min(timeout / 2);
         let Some(slot) = self.limiter.acquire(wait).await else {
             self.metrics.shed("db_limit");
-            self.pressure().refused(Instant::now());
+            let wait = self.pressure().refused(Instant::now());
+            // Jittered, so the refused phones do not come back together.
             return Err(Error::overloaded(
                 "the database is at its limit of inserts in flight; not stored: resend later",
-                self.retry_after(),
+                wait.mul_f64(rand::rng().random_range(0.5..=1.5)),
             ));
         };
         let _in_flight = self.metrics.db_insert_started();
@@ -226,8 +215,6 @@ impl DbLimit {
             });
         slot.finished(result.is_err());
         if result.is_ok() {
-            self.last_ok_ms
-                .fetch_max(self.since_epoch_ms(), Ordering::Relaxed);
             self.pressure().served(Instant::now());
         }
         result
