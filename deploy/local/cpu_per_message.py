@@ -34,6 +34,7 @@ TOKEN_SECRET = "cpu-per-message-secret-0123456789abcdef"
 # to JetStream's per deduplicated publish measured in the same run.
 GOAL_US = 60
 GOAL_RATIO = 3.0
+IDLE_SECONDS = 10
 T0 = time.monotonic()
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -47,6 +48,20 @@ def proc_cpu_seconds(pid: int) -> float:
     stat = Path(f"/proc/{pid}/stat").read_text()
     fields = stat[stat.rindex(")") + 2:].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def proc_switches(pid: int) -> int:
+    """Voluntary context switches of every thread of a process (each one a
+    thread that went to sleep and was woken again), from /proc/<pid>/task."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass  # a thread that ended meanwhile
+    return total
 
 
 class Cluster:
@@ -136,6 +151,15 @@ def finish_profiles(args, rate: int, profiles: list[tuple[str, subprocess.Popen]
     log(f"{rate}/s: profiles in {args.profile}")
 
 
+def idle_cpu(cluster: Cluster, seconds: float) -> dict[str, float]:
+    """Each service's CPU milliseconds per second while nothing is sent: what
+    a quiet cluster burns (timers, heartbeats, metrics)."""
+    before = {name: proc_cpu_seconds(pid) for name, pid in cluster.pids.items()}
+    time.sleep(seconds)
+    return {name: (proc_cpu_seconds(pid) - before[name]) * 1000 / seconds
+            for name, pid in cluster.pids.items()}
+
+
 def drive(args, cluster: Cluster, rate: int) -> dict:
     # The gateway's default per-user limit is 50 sends/s (burst 200): enough
     # phones that the mean stays at 25/s each.
@@ -147,6 +171,7 @@ def drive(args, cluster: Cluster, rate: int) -> dict:
     if not args.followers:
         argv.append("--no-followers")
     log_file = out.with_suffix(".log")
+    switches = {name: proc_switches(pid) for name, pid in cluster.pids.items()}
     log(f"{rate}/s: {' '.join(argv[1:])}")
     with open(log_file, "wb") as f:
         driver = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
@@ -160,6 +185,10 @@ def drive(args, cluster: Cluster, rate: int) -> dict:
             finish_profiles(args, rate, profiles)
     report = driver_report(out, log_file, code)
     report["exit"] = code
+    # Counted from before the phones connect to after the driver exits, so
+    # connection set-up is in it: a small share at these message counts.
+    report["switches"] = {name: proc_switches(pid) - switches[name]
+                          for name, pid in cluster.pids.items()}
     return report
 
 
@@ -229,6 +258,7 @@ def main() -> int:
                                            "-js", "-sd", str(work / "jetstream")])
         wait_for("nats-server", lambda: port_open(nats_port), 30, procs)
         log(f"cluster and nats-server up; logs in {work}")
+        idle = idle_cpu(cluster, IDLE_SECONDS)
         for rate in rates:
             report = drive(args, cluster, rate)
             cpu = {p["name"]: p["us_per_message"] for p in report.get("cpu", [])}
@@ -249,6 +279,8 @@ def main() -> int:
                 "js_p99_ms": js["p99_ms"],
                 "js_duplicates": js["duplicates"],
                 "ratio": (cpu.get("services") or 0.0) / js_us if js_us else float("nan"),
+                "sleeps": {name: n / max(report["messages"], 1)
+                           for name, n in report["switches"].items()},
             })
             log(f"{rate}/s: {json.dumps(rows[-1])}")
     except HarnessError as e:
@@ -267,6 +299,17 @@ def main() -> int:
               f"| {r['js_p99_ms']:.1f} | {r['ratio']:.1f}x |")
     print("(CPU µs per acknowledged message; JetStream: nats-server's CPU per acknowledged "
           "publish, 11% of them resends caught by Nats-Msg-Id)")
+    print()
+    names = list(cluster.pids)
+    print("| offered | " + " | ".join(f"{n} sleeps/msg" for n in names) + " |")
+    print("|" + " --- |" * (len(names) + 1))
+    for r in rows:
+        print(f"| {r['offered']:,}/s | " + " | ".join(f"{r['sleeps'][n]:.1f}" for n in names) + " |")
+    print("(voluntary context switches per acknowledged message, every thread of the process: "
+          "a thread put to sleep and woken again)")
+    print(f"idle, before any load ({IDLE_SECONDS} s): "
+          + ", ".join(f"{n} {ms:.1f} ms CPU/s" for n, ms in idle.items()))
+    print()
     for r in rows:
         goal = r["services"] <= GOAL_US and r["ratio"] <= GOAL_RATIO
         print(f"goal at {r['offered']:,}/s (services <= {GOAL_US} µs and <= {GOAL_RATIO}x "

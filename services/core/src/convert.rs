@@ -61,6 +61,7 @@ impl From<NewMessage> for pb::InsertOnceRequest {
             conversation: m.conversation.as_str().to_owned(),
             body: m.body.into_string(),
             trace_context: Default::default(),
+            tag: 0,
         }
     }
 }

@@ -7,7 +7,7 @@
 //! - [`store`] and [`window`]: the two backend traits, the durable store with
 //!   its unique key and the recent-ID window in front of it;
 //! - [`remote_store`]: the storage service over gRPC, as a store;
-//! - [`batch`]: natural batching for the hops between services;
+//! - [`stream_hop`]: the hops between services, each one long-lived stream;
 //! - [`routing`]: which ingest shard owns a conversation;
 //! - [`token`]: the JWTs that name a connection's sender, and their
 //!   verification (HS256 secret or JWKS public keys);
@@ -23,7 +23,6 @@
 //!   carried between services.
 
 pub mod admin;
-pub mod batch;
 pub mod clock;
 pub mod convert;
 pub mod error;
@@ -35,6 +34,7 @@ pub mod routing;
 pub mod secret;
 pub mod server;
 pub mod store;
+pub mod stream_hop;
 pub mod telemetry;
 pub mod tls;
 pub mod token;

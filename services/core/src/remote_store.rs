@@ -1,16 +1,15 @@
 //! The storage service, reached over gRPC, as a [`MessageStore`].
 //!
-//! Inserts travel in batches (`InsertBatch`, see [`crate::batch`]); lookups
-//! and history pages are single calls.
+//! Inserts travel over one long-lived `InsertStream` (see
+//! [`crate::stream_hop`]); lookups and history pages are single calls.
 
 use std::{sync::OnceLock, time::Duration};
 
 use crate::{
-    Error, ErrorKind,
-    batch::{Answers, BatchLimits, Batcher},
-    convert,
+    Error, ErrorKind, convert,
     model::{HistoryQuery, MessageKey, NewMessage, StoredMessage},
     store::{Insert, MessageStore},
+    stream_hop::{HopAnswers, HopCall, HopLimits, ReceiverStream, StreamHop},
     tls::{self, InternalTls},
 };
 use async_trait::async_trait;
@@ -18,16 +17,45 @@ use futures_util::StreamExt;
 use imdedup_proto::v1::{self as pb, insert_result, storage_service_client::StorageServiceClient};
 use tonic::transport::{Channel, Endpoint};
 
-type InsertBatcher = Batcher<pb::InsertOnceRequest, pb::InsertOnceResponse>;
+/// Opens `InsertStream` for the [`StreamHop`] of inserts.
+struct InsertStreamCall {
+    client: StorageServiceClient<Channel>,
+}
+
+impl HopCall for InsertStreamCall {
+    type Req = pb::InsertOnceRequest;
+    type Resp = pb::InsertResult;
+
+    async fn open(
+        &self,
+        requests: ReceiverStream<pb::InsertOnceRequest>,
+    ) -> Result<HopAnswers<pb::InsertResult>, Error> {
+        let answers = self
+            .client
+            .clone()
+            .insert_stream(requests)
+            .await?
+            .into_inner()
+            .map(|answer| answer.map_err(Error::from));
+        Ok(Box::pin(answers))
+    }
+
+    fn set_tag(request: &mut pb::InsertOnceRequest, tag: u64) {
+        request.tag = tag;
+    }
+
+    fn tag(answer: &pb::InsertResult) -> u64 {
+        answer.tag
+    }
+}
 
 /// A lazily connecting gRPC client of `imdedup.v1.StorageService`.
 #[derive(Clone)]
 pub struct RemoteStore {
     client: StorageServiceClient<Channel>,
     timeout: Duration,
-    limits: BatchLimits,
     /// Started on first insert, inside the caller's runtime.
-    inserts: std::sync::Arc<OnceLock<InsertBatcher>>,
+    inserts: std::sync::Arc<OnceLock<StreamHop<InsertStreamCall>>>,
 }
 
 impl RemoteStore {
@@ -41,33 +69,43 @@ impl RemoteStore {
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(30));
         Ok(Self {
-            client: StorageServiceClient::new(tls::channel(endpoint, tls)?)
-                .max_decoding_message_size(crate::batch::MAX_BATCH_MESSAGE_BYTES),
+            client: StorageServiceClient::new(tls::channel(endpoint, tls)?),
             timeout,
-            limits: BatchLimits::default(),
             inserts: std::sync::Arc::default(),
         })
     }
 
-    /// Override how inserts are batched.
-    pub fn with_batch_limits(mut self, limits: BatchLimits) -> Self {
-        self.limits = limits;
-        self.inserts = std::sync::Arc::default();
-        self
-    }
-
+    /// Insert over the stream, within the call timeout; a stream that
+    /// answers nothing for twice that while inserts wait is given up.
     async fn insert(
         &self,
         request: pb::InsertOnceRequest,
     ) -> Result<pb::InsertOnceResponse, Error> {
-        let batcher = self.inserts.get_or_init(|| {
-            let client = self.client.clone();
-            let timeout = self.timeout;
-            Batcher::spawn(self.limits, move |inserts| {
-                insert_batch(client.clone(), timeout, inserts)
-            })
+        let hop = self.inserts.get_or_init(|| {
+            let limits = HopLimits {
+                stall: (self.timeout * 2).max(Duration::from_secs(2)),
+                ..HopLimits::default()
+            };
+            StreamHop::spawn(
+                limits,
+                InsertStreamCall {
+                    client: self.client.clone(),
+                },
+            )
         });
-        batcher.call(request).await
+        let answer = tokio::time::timeout(self.timeout, hop.call(request))
+            .await
+            .map_err(|_| {
+                Error::new(
+                    ErrorKind::DeadlineExceeded,
+                    format!("storage did not answer within {:?}", self.timeout),
+                )
+            })??;
+        match answer.result {
+            Some(insert_result::Result::Ok(ok)) => Ok(ok),
+            Some(insert_result::Result::Error(e)) => Err(e.into()),
+            None => Err(Error::internal("storage answered an insert with nothing")),
+        }
     }
 
     fn request<T>(&self, message: T) -> tonic::Request<T> {
@@ -120,34 +158,4 @@ impl MessageStore for RemoteStore {
             .map(convert::stored_message)
             .collect()
     }
-}
-
-/// One `InsertBatch` call; each insert is answered as soon as it is done.
-async fn insert_batch(
-    mut client: StorageServiceClient<Channel>,
-    timeout: Duration,
-    inserts: Vec<pb::InsertOnceRequest>,
-) -> Result<Answers<pb::InsertOnceResponse>, Error> {
-    let mut request = tonic::Request::new(pb::InsertBatchRequest { inserts });
-    request.set_timeout(timeout);
-    let answers = tokio::time::timeout(timeout, client.insert_batch(request))
-        .await
-        .map_err(|_| {
-            Error::new(
-                ErrorKind::DeadlineExceeded,
-                format!("storage did not answer within {timeout:?}"),
-            )
-        })?
-        .map_err(Error::from)?
-        .into_inner()
-        .map(|answer| {
-            let answer = answer.map_err(Error::from)?;
-            let result = match answer.result {
-                Some(insert_result::Result::Ok(ok)) => Ok(ok),
-                Some(insert_result::Result::Error(e)) => Err(e.into()),
-                None => Err(Error::internal("storage answered an insert with nothing")),
-            };
-            Ok((answer.index as usize, result))
-        });
-    Ok(Box::pin(answers))
 }

@@ -6,15 +6,14 @@ use std::{
     time::{Duration, Instant},
 };
 
-use futures_util::{Stream, StreamExt, stream::FuturesUnordered};
-use imdedup_core::{Error, convert, telemetry};
+use futures_util::{Stream, stream::FuturesUnordered};
+use imdedup_core::{Error, convert, server::MAX_BATCH_MESSAGE_BYTES, stream_hop, telemetry};
 use imdedup_proto::v1::{
     self as pb,
     ingest_service_server::{IngestService, IngestServiceServer},
     send_response,
 };
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
@@ -29,19 +28,22 @@ pub const MAX_BATCH: usize = 1024;
 pub struct IngestGrpc {
     dedup: Arc<Dedup>,
     max_body_bytes: usize,
+    /// Cancelled when the shard shuts down: open `SendStream`s stop taking
+    /// sends then, answer what they took and end.
+    stop: CancellationToken,
 }
 
 impl IngestGrpc {
-    pub fn new(dedup: Arc<Dedup>, max_body_bytes: usize) -> Self {
+    pub fn new(dedup: Arc<Dedup>, max_body_bytes: usize, stop: CancellationToken) -> Self {
         Self {
             dedup,
             max_body_bytes,
+            stop,
         }
     }
 
     pub fn into_server(self) -> IngestServiceServer<Self> {
-        IngestServiceServer::new(self)
-            .max_decoding_message_size(imdedup_core::batch::MAX_BATCH_MESSAGE_BYTES)
+        IngestServiceServer::new(self).max_decoding_message_size(MAX_BATCH_MESSAGE_BYTES)
     }
 }
 
@@ -138,28 +140,24 @@ impl IngestService for IngestGrpc {
         &self,
         request: Request<Streaming<pb::SendRequest>>,
     ) -> Result<Response<Self::SendStreamStream>, Status> {
-        let mut incoming = request.into_inner();
-        let (tx, rx) = mpsc::channel(STREAM_IN_FLIGHT);
         let dedup = Arc::clone(&self.dedup);
         let max_body_bytes = self.max_body_bytes;
-        tokio::spawn(async move {
-            while let Some(next) = incoming.next().await {
-                let Ok(req) = next else { break };
-                // Reserve the reply slot first: this bounds sends in flight.
-                let Ok(slot) = tx.clone().reserve_owned().await else {
-                    break;
-                };
+        let answers = stream_hop::answer_each(
+            request.into_inner(),
+            STREAM_IN_FLIGHT,
+            self.stop.clone(),
+            move |req: pb::SendRequest| {
                 let dedup = Arc::clone(&dedup);
-                tokio::spawn(async move {
+                async move {
                     let tag = req.tag;
                     let result = decide_traced(&dedup, req, max_body_bytes).await;
-                    slot.send(Ok(pb::SendResponse {
+                    Ok(pb::SendResponse {
                         tag,
                         result: Some(result),
-                    }));
-                });
-            }
-        });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+                    })
+                }
+            },
+        );
+        Ok(Response::new(Box::pin(answers)))
     }
 }

@@ -35,6 +35,7 @@ pub async fn serve(
     options: ServeOptions,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
-    let routes = Routes::new(IngestGrpc::new(dedup, max_body_bytes).into_server());
+    let routes =
+        Routes::new(IngestGrpc::new(dedup, max_body_bytes, shutdown.clone()).into_server());
     serve_grpc(listener, &[SERVICE_NAME], routes, 4096, options, shutdown).await
 }

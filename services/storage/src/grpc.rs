@@ -1,14 +1,20 @@
 //! The gRPC face of a [`MessageStore`]: `imdedup.v1.StorageService`.
 
-use std::{pin::Pin, sync::Arc};
+use std::{future::Future, pin::Pin, sync::Arc};
 
 use futures_util::{Stream, stream::FuturesUnordered};
-use imdedup_core::{Error, convert, store::Insert, store::MessageStore, telemetry};
+use imdedup_core::{
+    Error, convert,
+    server::MAX_BATCH_MESSAGE_BYTES,
+    store::{Insert, MessageStore},
+    stream_hop, telemetry,
+};
 use imdedup_proto::v1::{
     self as pb, insert_result,
     storage_service_server::{StorageService, StorageServiceServer},
 };
-use tonic::{Request, Response, Status};
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
 /// Storage accepts bodies up to this size; the gateway and ingest enforce the
@@ -18,20 +24,42 @@ pub const MAX_STORED_BODY_BYTES: usize = 1 << 20;
 /// Most inserts one `InsertBatch` call may carry.
 pub const MAX_BATCH: usize = 1024;
 
+/// Most inserts one `InsertStream` call may have unfinished at once.
+const STREAM_IN_FLIGHT: usize = 1024;
+
 /// Serves any [`MessageStore`] over gRPC.
 pub struct StorageGrpc {
     store: Arc<dyn MessageStore>,
+    /// Cancelled when storage shuts down: open `InsertStream`s stop taking
+    /// inserts then, answer what they took and end.
+    stop: CancellationToken,
 }
 
 impl StorageGrpc {
-    pub fn new(store: Arc<dyn MessageStore>) -> Self {
-        Self { store }
+    pub fn new(store: Arc<dyn MessageStore>, stop: CancellationToken) -> Self {
+        Self { store, stop }
     }
 
     pub fn into_server(self) -> StorageServiceServer<Self> {
-        StorageServiceServer::new(self)
-            .max_decoding_message_size(imdedup_core::batch::MAX_BATCH_MESSAGE_BYTES)
+        StorageServiceServer::new(self).max_decoding_message_size(MAX_BATCH_MESSAGE_BYTES)
     }
+}
+
+/// Store one insert of a batch or stream, continuing the trace of its send.
+fn insert_traced(
+    store: Arc<dyn MessageStore>,
+    mut request: pb::InsertOnceRequest,
+) -> impl Future<Output = insert_result::Result> + Send + 'static {
+    let span = tracing::info_span!("imdedup.storage.insert");
+    telemetry::set_parent(&span, telemetry::extract_map(&request.trace_context));
+    request.trace_context.clear();
+    async move {
+        match insert(store.as_ref(), request).await {
+            Ok(ok) => insert_result::Result::Ok(ok),
+            Err(e) => insert_result::Result::Error(e.into()),
+        }
+    }
+    .instrument(span)
 }
 
 #[tonic::async_trait]
@@ -66,30 +94,50 @@ impl StorageService for StorageGrpc {
         let results: FuturesUnordered<_> = inserts
             .into_iter()
             .enumerate()
-            .map(|(index, mut insert_request)| {
-                let store = Arc::clone(&self.store);
-                // Each insert continues the trace of its own send.
-                let span = tracing::info_span!("imdedup.storage.insert");
-                telemetry::set_parent(&span, telemetry::extract_map(&insert_request.trace_context));
-                insert_request.trace_context.clear();
-                let task = tokio::spawn(
-                    async move { insert(store.as_ref(), insert_request).await }.instrument(span),
-                );
+            .map(|(index, request)| {
+                let task = tokio::spawn(insert_traced(Arc::clone(&self.store), request));
                 async move {
                     let result = task.await.unwrap_or_else(|e| {
-                        Err(Error::internal(format!("the insert task failed: {e}")))
+                        insert_result::Result::Error(
+                            Error::internal(format!("the insert task failed: {e}")).into(),
+                        )
                     });
                     Ok(pb::InsertResult {
                         index: u32::try_from(index).unwrap_or(u32::MAX),
-                        result: Some(match result {
-                            Ok(ok) => insert_result::Result::Ok(ok),
-                            Err(e) => insert_result::Result::Error(e.into()),
-                        }),
+                        tag: 0,
+                        result: Some(result),
                     })
                 }
             })
             .collect();
         Ok(Response::new(Box::pin(results)))
+    }
+
+    type InsertStreamStream =
+        Pin<Box<dyn Stream<Item = Result<pb::InsertResult, Status>> + Send + 'static>>;
+
+    async fn insert_stream(
+        &self,
+        request: Request<Streaming<pb::InsertOnceRequest>>,
+    ) -> Result<Response<Self::InsertStreamStream>, Status> {
+        let store = Arc::clone(&self.store);
+        let answers = stream_hop::answer_each(
+            request.into_inner(),
+            STREAM_IN_FLIGHT,
+            self.stop.clone(),
+            move |request: pb::InsertOnceRequest| {
+                let tag = request.tag;
+                let inserted = insert_traced(Arc::clone(&store), request);
+                async move {
+                    Ok(pb::InsertResult {
+                        index: 0,
+                        tag,
+                        result: Some(inserted.await),
+                    })
+                }
+            },
+        );
+        Ok(Response::new(Box::pin(answers)))
     }
 
     async fn lookup(
@@ -118,7 +166,8 @@ impl StorageService for StorageGrpc {
     }
 }
 
-/// Store one message, as `InsertOnce` does and each item of `InsertBatch`.
+/// Store one message, as `InsertOnce` does and each item of `InsertBatch`
+/// and `InsertStream`.
 async fn insert(
     store: &dyn MessageStore,
     request: pb::InsertOnceRequest,

@@ -31,6 +31,6 @@ pub async fn serve(
     options: ServeOptions,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
-    let routes = Routes::new(StorageGrpc::new(store).into_server());
+    let routes = Routes::new(StorageGrpc::new(store, shutdown.clone()).into_server());
     serve_grpc(listener, &[SERVICE_NAME], routes, 1024, options, shutdown).await
 }
