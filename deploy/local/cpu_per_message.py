@@ -229,7 +229,7 @@ def main() -> int:
                         help="tokio worker threads of each service (TOKIO_WORKER_THREADS), as the "
                              "chart's one-core pods run them; 0: one per CPU (the driver is not "
                              "affected)")
-    parser.add_argument("--commit-delay", default="1ms",
+    parser.add_argument("--commit-delay", default="3ms",
                         help="storage's --commit-delay (how long a batch that is not full waits "
                              "for more inserts before its commit)")
     parser.add_argument("--profile", type=Path, metavar="DIR",

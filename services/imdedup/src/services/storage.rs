@@ -34,7 +34,7 @@ pub struct StorageArgs {
     /// How long a batch that is not full waits for more inserts before its
     /// commit: fewer transactions and fsyncs at low rates, for that much
     /// latency. Inserts are still answered only after their commit.
-    #[arg(long, env = "IMDEDUP_STORAGE_COMMIT_DELAY", default_value = "1ms", value_parser = duration)]
+    #[arg(long, env = "IMDEDUP_STORAGE_COMMIT_DELAY", default_value = "3ms", value_parser = duration)]
     pub commit_delay: Duration,
     /// Time given to calls in flight after SIGTERM.
     #[arg(long, env = "IMDEDUP_GRACE", default_value = "10s", value_parser = duration)]
