@@ -171,24 +171,25 @@ def drive(args, cluster: Cluster, rate: int) -> dict:
     if not args.followers:
         argv.append("--no-followers")
     log_file = out.with_suffix(".log")
-    switches = {name: proc_switches(pid) for name, pid in cluster.pids.items()}
     log(f"{rate}/s: {' '.join(argv[1:])}")
     with open(log_file, "wb") as f:
         driver = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
                                   env={**os.environ, "IMDEDUP_TOKEN_SECRET": TOKEN_SECRET})
-        profiles = []
-        if args.profile:
-            time.sleep(1.5)  # the driver connects its phones first
-            profiles = start_profiles(args, cluster, rate)
+        time.sleep(1.5)  # the driver connects its phones first
+        profiles = start_profiles(args, cluster, rate) if args.profile else []
+        # Context switches over most of the sending phase (not the audit's
+        # reads after it), per message acknowledged in that window.
+        window = args.duration * 0.8
+        before = {name: proc_switches(pid) for name, pid in cluster.pids.items()}
+        time.sleep(window)
+        switches = {name: proc_switches(pid) - before[name] for name, pid in cluster.pids.items()}
         code = driver.wait(timeout=args.duration + 300)
         if profiles:
             finish_profiles(args, rate, profiles)
     report = driver_report(out, log_file, code)
     report["exit"] = code
-    # Counted from before the phones connect to after the driver exits, so
-    # connection set-up is in it: a small share at these message counts.
-    report["switches"] = {name: proc_switches(pid) - switches[name]
-                          for name, pid in cluster.pids.items()}
+    report["switches_per_message"] = {
+        name: n / max(report["achieved_rate"] * window, 1) for name, n in switches.items()}
     return report
 
 
@@ -279,8 +280,7 @@ def main() -> int:
                 "js_p99_ms": js["p99_ms"],
                 "js_duplicates": js["duplicates"],
                 "ratio": (cpu.get("services") or 0.0) / js_us if js_us else float("nan"),
-                "sleeps": {name: n / max(report["messages"], 1)
-                           for name, n in report["switches"].items()},
+                "sleeps": report["switches_per_message"],
             })
             log(f"{rate}/s: {json.dumps(rows[-1])}")
     except HarnessError as e:
@@ -305,8 +305,8 @@ def main() -> int:
     print("|" + " --- |" * (len(names) + 1))
     for r in rows:
         print(f"| {r['offered']:,}/s | " + " | ".join(f"{r['sleeps'][n]:.1f}" for n in names) + " |")
-    print("(voluntary context switches per acknowledged message, every thread of the process: "
-          "a thread put to sleep and woken again)")
+    print("(voluntary context switches per acknowledged message, every thread of the process, "
+          "over the middle 80% of the sending phase: a thread put to sleep and woken again)")
     print(f"idle, before any load ({IDLE_SECONDS} s): "
           + ", ".join(f"{n} {ms:.1f} ms CPU/s" for n, ms in idle.items()))
     print()
