@@ -458,6 +458,10 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
     let mut tasks = tokio::task::JoinSet::new();
     for index in order {
+        // A finished task keeps its memory (sized for the whole send's
+        // future) until joined: reap as we go, or the heap grows by the
+        // whole run and every new task faults in fresh pages.
+        while tasks.try_join_next().is_some() {}
         let due = started + dues[index];
         wait_until(due).await;
         progress.due.fetch_add(1, Ordering::Relaxed);
