@@ -9,7 +9,10 @@ use common::{Kind, rows, start};
 use imdedup_client::{Client, Encoding, RawMessage, Reply};
 use imdedup_cluster::LocalCluster;
 use imdedup_core::clock::ManualClock;
-use imdedup_proto::v1::{self as pb, ingest_service_client::IngestServiceClient, send_response};
+use imdedup_proto::v1::{
+    self as pb, ingest_service_client::IngestServiceClient, insert_result, send_response,
+    storage_service_client::StorageServiceClient,
+};
 
 async fn a_resend_after_a_lost_ack_gets_the_same_ack_and_stores_one_row(kind: Kind) {
     let Some(h) = start(kind).await else { return };
@@ -468,3 +471,103 @@ on_both_backends!(
     after_a_storage_restart_earlier_messages_are_still_caught,
     a_whole_cluster_restart_keeps_the_messages_and_the_guarantee,
 );
+
+/// Gateways before the hops became streams send in `SendBatch` calls (a
+/// rolling upgrade has them talk to new shards for a while): a shard still
+/// answers each send by its tag, stores each message once and gives a
+/// repeat the first ACK.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_batch_from_an_earlier_gateway_is_answered_by_tag_and_stored_once() {
+    let Some(h) = start(Kind::Embedded).await else {
+        return;
+    };
+    let url = h.cluster.ingest_urls()[0].clone();
+    let client = IngestServiceClient::connect(url).await.unwrap();
+    let send = |id: &str, tag: u64| pb::SendRequest {
+        sender: "ana".into(),
+        client_msg_id: id.as_bytes().to_vec(),
+        conversation: "batch".into(),
+        body: format!("body of {id}"),
+        tag,
+        ..Default::default()
+    };
+    let call = |sends: Vec<pb::SendRequest>| {
+        let mut client = client.clone();
+        async move {
+            let mut answers = client
+                .send_batch(pb::SendBatchRequest { sends })
+                .await
+                .unwrap()
+                .into_inner();
+            let mut acks = std::collections::HashMap::new();
+            while let Some(answer) = answers.message().await.unwrap() {
+                match answer.result {
+                    Some(send_response::Result::Ack(ack)) => acks.insert(answer.tag, ack),
+                    other => panic!("tag {}: expected an ack, got {other:?}", answer.tag),
+                };
+            }
+            acks
+        }
+    };
+    let first = call(vec![send("b-1", 7), send("b-2", 8)]).await;
+    assert_eq!(first.len(), 2);
+    assert!(first.values().all(|a| a.outcome() == pb::Outcome::Stored));
+    assert_ne!(first[&7].server_id, first[&8].server_id);
+    let again = call(vec![send("b-1", 3)]).await;
+    assert_eq!(
+        (again[&3].server_id, again[&3].seq),
+        (first[&7].server_id, first[&7].seq),
+        "the repeat gets the first ACK"
+    );
+    assert_ne!(again[&3].outcome(), pb::Outcome::Stored);
+    let reader = h.connect("ben", Encoding::Json).await;
+    assert_eq!(rows(&reader, "batch").await.len(), 2);
+    h.cluster.shutdown().await;
+}
+
+/// Ingests before the hops became streams insert in `InsertBatch` calls:
+/// storage still answers each insert by its index, and a repeat with the
+/// stored row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_insert_batch_from_an_earlier_ingest_is_answered_by_index_and_stored_once() {
+    let Some(h) = start(Kind::Embedded).await else {
+        return;
+    };
+    let mut client = StorageServiceClient::connect(h.cluster.storage_url())
+        .await
+        .unwrap();
+    let insert = |id: &str| pb::InsertOnceRequest {
+        sender: "ana".into(),
+        client_msg_id: id.as_bytes().to_vec(),
+        conversation: "batch".into(),
+        body: format!("body of {id}"),
+        ..Default::default()
+    };
+    let mut answers = client
+        .insert_batch(pb::InsertBatchRequest {
+            inserts: vec![insert("i-1"), insert("i-2"), insert("i-1")],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut rows_by_index = std::collections::BTreeMap::new();
+    while let Some(answer) = answers.message().await.unwrap() {
+        match answer.result {
+            Some(insert_result::Result::Ok(ok)) => {
+                let row = ok.message.unwrap();
+                rows_by_index.insert(answer.index, (ok.inserted, row.server_id, row.seq));
+            }
+            other => panic!("index {}: {other:?}", answer.index),
+        }
+    }
+    assert_eq!(rows_by_index.len(), 3, "every insert answered once");
+    let (first, second, repeat) = (rows_by_index[&0], rows_by_index[&1], rows_by_index[&2]);
+    // The two copies of i-1: one stored it, the other got the same row.
+    assert!(first.0 != repeat.0, "exactly one copy of i-1 inserted");
+    assert_eq!((first.1, first.2), (repeat.1, repeat.2));
+    assert!(second.0);
+    assert_ne!(second.1, first.1);
+    let reader = h.connect("ben", Encoding::Json).await;
+    assert_eq!(rows(&reader, "batch").await.len(), 2);
+    h.cluster.shutdown().await;
+}

@@ -53,6 +53,7 @@ pub fn test_groups() -> Authorizer {
         "bin",
         "busy",
         "race",
+        "batch",
         "main",
         "side",
     ]
