@@ -19,6 +19,7 @@
 #   deploy/local/cpu-per-message.sh [--rates 1000,3000,6000,13900] [--duration 10]
 #                                   [--followers] [--keep] [--profile DIR]
 #                                   [--worker-threads 1] [--commit-delay 3ms]
+#                                   [--scylla HOST:PORT --redis URL]   (real backends)
 #
 # IMDEDUP_CPU_NO_BUILD=1 skips the cargo build. About 4 minutes once built.
 set -euo pipefail

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 from localprocs import HarnessError, driver_report, Processes, free_port, http_get, port_open, wait_for
@@ -70,6 +71,8 @@ class Cluster:
         self.names = ["ingest-0", "ingest-1"]
         self.ports = {n: (free_port(), free_port()) for n in ["storage", *self.names, "gateway"]}
         self.pids: dict[str, int] = {}
+        # A keyspace and Redis prefix of this run's own (real backends).
+        self.keyspace = f"cpu{uuid.uuid4().hex[:10]}"
         self.groups = work / "groups.json"
         self.groups.write_text("{}")
         self.tls = work / "tls"
@@ -87,16 +90,31 @@ class Cluster:
         storage = f"https://127.0.0.1:{self.ports['storage'][0]}"
         shards = ",".join(f"{n}=https://127.0.0.1:{self.ports[n][0]}" for n in self.names)
         if name == "storage":
+            if self.args.scylla:
+                return [self.args.imdedup, "storage", *common, *self.tls_flags("storage"),
+                        *self.scylla()]
             return [self.args.imdedup, "storage", *common, *self.tls_flags("storage"),
                     "--data-dir", str(self.work / "storage"),
                     "--commit-delay", self.args.commit_delay]
         if name == "gateway":
             return [self.args.imdedup, "gateway", *common, *self.tls_flags("gateway"),
                     "--shards", shards, "--storage", storage, "--groups-file", str(self.groups)]
+        real = []
+        if self.args.scylla:
+            real = ["--redis", self.args.redis, "--redis-key-prefix", f"{self.keyspace}:",
+                    *self.scylla()]
         return [self.args.imdedup, "ingest", *common, *self.tls_flags("ingest"),
-                "--shard-name", name, "--shards", shards, "--storage", storage]
+                "--shard-name", name, "--shards", shards, "--storage", storage, *real]
+
+    def scylla(self) -> list[str]:
+        return ["--scylla", self.args.scylla, "--scylla-keyspace", self.keyspace,
+                "--scylla-replication-factor", "1", "--scylla-migrate", "false"]
 
     def up(self) -> None:
+        if self.args.scylla:
+            subprocess.run([self.args.imdedup, "migrate", "--scylla", self.args.scylla,
+                            "--scylla-keyspace", self.keyspace, "--scylla-replication-factor", "1"],
+                           check=True, stdout=subprocess.DEVNULL)
         for name in ["storage", *self.names, "gateway"]:
             env = {"IMDEDUP_TOKEN_SECRET": TOKEN_SECRET, "RUST_LOG": "warn"}
             if self.args.worker_threads:
@@ -233,12 +251,22 @@ def main() -> int:
     parser.add_argument("--commit-delay", default="3ms",
                         help="storage's --commit-delay (how long a batch that is not full waits "
                              "for more inserts before its commit)")
+    parser.add_argument("--redis", default=os.environ.get("IMDEDUP_TEST_REDIS_URL"),
+                        help="with --scylla: the ingest shards keep their window in this Redis "
+                             "(default $IMDEDUP_TEST_REDIS_URL)")
+    parser.add_argument("--scylla", default=None,
+                        help="run on the real backends: the ingest shards write to this "
+                             "ScyllaDB/Cassandra (host:port, a keyspace of the run's own) and "
+                             "Redis, storage serves history from it. Keep the rates within what "
+                             "the database takes")
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="perf record every service while each rate runs; writes per service "
                              "and rate the top self-time symbols and (with inferno installed) a "
                              "flame graph to DIR. The profiler's own cost inflates the CPU figures "
                              "of such a run")
     args = parser.parse_args()
+    if args.scylla and not args.redis:
+        parser.error("--scylla needs --redis (or $IMDEDUP_TEST_REDIS_URL)")
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
     rates = [int(r) for r in args.rates.split(",")]
