@@ -7,7 +7,8 @@
 //! - [`store`] and [`window`]: the two backend traits, the durable store with
 //!   its unique key and the recent-ID window in front of it;
 //! - [`remote_store`]: the storage service over gRPC, as a store;
-//! - [`stream_hop`]: the hops between services, each one long-lived stream;
+//! - [`batch`]: natural batching for the gateway's hop to the shards;
+//! - [`stream_hop`]: the ingest's hop to storage, one long-lived stream;
 //! - [`routing`]: which ingest shard owns a conversation;
 //! - [`token`]: the JWTs that name a connection's sender, and their
 //!   verification (HS256 secret or JWKS public keys);
@@ -23,6 +24,7 @@
 //!   carried between services.
 
 pub mod admin;
+pub mod batch;
 pub mod clock;
 pub mod convert;
 pub mod error;

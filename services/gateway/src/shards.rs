@@ -5,73 +5,38 @@ use std::time::Duration;
 use futures_util::StreamExt;
 
 use imdedup_core::{
-    Error, ErrorKind, convert,
+    Error, ErrorKind,
+    batch::{Answers, BatchLimits, Batcher, MAX_BATCH_MESSAGE_BYTES},
+    convert,
     model::{Ack, NewMessage},
     routing::ShardMap,
-    stream_hop::{HopAnswers, HopCall, HopLimits, ReceiverStream, StreamHop},
     telemetry,
     tls::{self, InternalTls},
 };
 use imdedup_proto::v1::{self as pb, ingest_service_client::IngestServiceClient, send_response};
 use tonic::transport::{Channel, Endpoint};
 
-/// Opens `SendStream` on one shard for its [`StreamHop`].
-struct SendStreamCall {
-    client: IngestServiceClient<Channel>,
-}
-
-impl HopCall for SendStreamCall {
-    type Req = pb::SendRequest;
-    type Resp = pb::SendResponse;
-
-    async fn open(
-        &self,
-        requests: ReceiverStream<pb::SendRequest>,
-    ) -> Result<HopAnswers<pb::SendResponse>, Error> {
-        let answers = self
-            .client
-            .clone()
-            .send_stream(requests)
-            .await
-            .map_err(Error::from)?
-            .into_inner()
-            .map(|answer| answer.map_err(Error::from));
-        Ok(Box::pin(answers))
-    }
-
-    fn set_tag(request: &mut pb::SendRequest, tag: u64) {
-        request.tag = tag;
-    }
-
-    fn tag(answer: &pb::SendResponse) -> u64 {
-        answer.tag
-    }
-}
+type SendBatcher = Batcher<pb::SendRequest, pb::SendResponse>;
 
 /// The ingest shards of the shard map, each with a lazily connecting
-/// client. Sends to one shard travel over one long-lived `SendStream` (see
-/// [`imdedup_core::stream_hop`]).
+/// client. Sends to one shard travel in batches (`SendBatch`, see
+/// [`imdedup_core::batch`]).
 #[derive(Clone)]
 pub struct Shards {
     map: ShardMap,
-    hops: Vec<StreamHop<SendStreamCall>>,
+    batchers: Vec<SendBatcher>,
 }
 
 impl Shards {
     /// Clients for the shards of `map`; none connects until used (then over
-    /// `tls`). Sends get `timeout` each; a shard's stream that answers
-    /// nothing for twice that while sends wait is given up. Must be called
-    /// inside a Tokio runtime.
+    /// `tls`). A batch gets `timeout` as its deadline. Must be called inside
+    /// a Tokio runtime.
     pub fn connect_lazy(
         map: ShardMap,
         timeout: Duration,
         tls: &InternalTls,
     ) -> Result<Self, Error> {
-        let limits = HopLimits {
-            stall: (timeout * 2).max(Duration::from_secs(2)),
-            ..HopLimits::default()
-        };
-        let hops = map
+        let batchers = map
             .shards()
             .iter()
             .map(|shard| {
@@ -81,11 +46,14 @@ impl Shards {
                     .connect_timeout(Duration::from_secs(2))
                     .tcp_nodelay(true)
                     .http2_keep_alive_interval(Duration::from_secs(30));
-                let client = IngestServiceClient::new(tls::channel(endpoint, tls)?);
-                Ok(StreamHop::spawn(limits, SendStreamCall { client }))
+                let client = IngestServiceClient::new(tls::channel(endpoint, tls)?)
+                    .max_decoding_message_size(MAX_BATCH_MESSAGE_BYTES);
+                Ok(Batcher::spawn(BatchLimits::default(), move |sends| {
+                    send_batch(client.clone(), timeout, sends)
+                }))
             })
             .collect::<Result<_, Error>>()?;
-        Ok(Self { map, hops })
+        Ok(Self { map, batchers })
     }
 
     pub fn map(&self) -> &ShardMap {
@@ -115,10 +83,10 @@ impl Shards {
             body: message.body.into_string(),
             trace_context: telemetry::trace_context(),
             tag: 0,
-            // The deadline travels with the send, through the stream.
+            // The deadline travels with the send, through the batch.
             budget_ms: u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX),
         };
-        let response = tokio::time::timeout(timeout, self.hops[index].call(request))
+        let response = tokio::time::timeout(timeout, self.batchers[index].call(request))
             .await
             .map_err(|_| {
                 Error::new(
@@ -134,4 +102,34 @@ impl Shards {
             )),
         }
     }
+}
+
+/// One `SendBatch` call; each send is answered as soon as it is decided,
+/// matched by its tag (its index in the batch).
+async fn send_batch(
+    mut client: IngestServiceClient<Channel>,
+    timeout: Duration,
+    mut sends: Vec<pb::SendRequest>,
+) -> Result<Answers<pb::SendResponse>, Error> {
+    for (index, send) in sends.iter_mut().enumerate() {
+        send.tag = index as u64;
+    }
+    let mut request = tonic::Request::new(pb::SendBatchRequest { sends });
+    request.set_timeout(timeout);
+    let answers = tokio::time::timeout(timeout, client.send_batch(request))
+        .await
+        .map_err(|_| {
+            Error::new(
+                ErrorKind::DeadlineExceeded,
+                format!("ingest shard did not answer within {timeout:?}"),
+            )
+        })?
+        .map_err(Error::from)?
+        .into_inner()
+        .map(|answer| {
+            let answer = answer.map_err(Error::from)?;
+            let index = usize::try_from(answer.tag).unwrap_or(usize::MAX);
+            Ok((index, Ok(answer)))
+        });
+    Ok(Box::pin(answers))
 }
