@@ -44,6 +44,14 @@ deploy/k8s/chart-test.sh
 # `cargo test` has built target/debug/imdedup and imdedup-load already.
 IMDEDUP_PROOF_NO_BUILD=1 deploy/local/observability-proof.sh
 
+# Past capacity (issue 21), the short version: the load driver's overload
+# scenario on the embedded backends, 4 s surges at 1.5x and 3x of a given
+# capacity; fails on a loss, a repeat or a message missed by the followers,
+# and prints the per-phase figures (the full run: README, "Overload: more
+# load than the service can serve").
+target/debug/imdedup-load overload --embedded --capacity 600 --surge 4s \
+  --group-share 0.2 --quiet | grep -v '^overload: per second'
+
 # Fault scenarios under load on Redis + Cassandra, audited with followers:
 # failing history writes, an ingest SIGKILLed, a rolling restart, the shard
 # map 2 -> 3 -> 2. One line each; every must-be-zero count must be 0.

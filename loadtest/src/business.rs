@@ -478,6 +478,7 @@ pub async fn run(config: BusinessConfig) -> anyhow::Result<Outcome> {
         );
     }
     Ok(Outcome {
+        seconds: None,
         report,
         audit: result,
     })

@@ -68,6 +68,14 @@ pub async fn baseline(targets: &[AdminTarget]) -> anyhow::Result<CpuBaseline> {
 }
 
 impl CpuBaseline {
+    /// The readings: the services' sum (if any were given) and the
+    /// driver's own, in CPU seconds.
+    pub fn totals(&self) -> (Option<f64>, Option<f64>) {
+        let services = (!self.services.is_empty())
+            .then(|| self.services.iter().map(|(_, seconds)| seconds).sum());
+        (services, self.driver)
+    }
+
     /// The CPU spent since the baseline, per process and per one of
     /// `messages`; the services' sum last, as `services`, then `driver`.
     pub async fn since(&self, messages: u64) -> anyhow::Result<Vec<ProcessCpu>> {

@@ -14,6 +14,7 @@ pub mod cpu;
 pub mod follow;
 pub mod html;
 pub mod link;
+pub mod overload;
 pub mod phone;
 pub mod report;
 pub mod run;

@@ -39,6 +39,11 @@ enum Scenario {
     /// The highest rate sustained with p99 ACK latency under --p99: steady
     /// steps of --duration each, bisecting between --min-rate and --max-rate.
     Search(SearchArgs),
+    /// Past capacity: the capacity C measured first (the highest rate with
+    /// p99 ACK latency under --p99, or --capacity), then 0.5 C, 1.5 C for
+    /// --surge, 0.5 C, 3 C for --surge, 0.5 C; per second goodput, tries
+    /// and refusals, per phase give-ups, tries per message and CPU.
+    Overload(OverloadArgs),
     /// Backend systems send notices through the business API
     /// (POST /v1/messages) with client timeouts short enough that many
     /// calls time out after being stored, and retry with the same
@@ -67,6 +72,26 @@ struct BusinessArgs {
     /// Tries per notice before its system gives up.
     #[arg(long, default_value_t = 12)]
     max_tries: u32,
+}
+
+#[derive(Args)]
+struct OverloadArgs {
+    #[command(flatten)]
+    common: Common,
+    /// The capacity to overload, instead of measuring it.
+    #[arg(long)]
+    capacity: Option<f64>,
+    /// The p99 ACK latency the capacity must stay under.
+    #[arg(long, default_value = "250ms", value_parser = humantime::parse_duration)]
+    p99: Duration,
+    /// How long each surge lasts.
+    #[arg(long, default_value = "20s", value_parser = humantime::parse_duration)]
+    surge: Duration,
+    /// Where the capacity search starts and ends.
+    #[arg(long, default_value_t = 500.0)]
+    min_rate: f64,
+    #[arg(long, default_value_t = 30_000.0)]
+    max_rate: f64,
 }
 
 #[derive(Args)]
@@ -196,6 +221,7 @@ async fn main() -> anyhow::Result<()> {
         Scenario::Storm(args) => ("storm", args),
         Scenario::Search(search) => return run_search(search).await,
         Scenario::Business(business) => return run_business(business).await,
+        Scenario::Overload(overload) => return run_overload(overload).await,
     };
     let config = load_config(name, &args, args.rate)?;
     let outcome = run(config).await?;
@@ -238,6 +264,71 @@ async fn run_business(args: BusinessArgs) -> anyhow::Result<()> {
         std::process::exit(1);
     }
     Ok(())
+}
+
+async fn run_overload(args: OverloadArgs) -> anyhow::Result<()> {
+    let capacity = match args.capacity {
+        Some(capacity) => capacity,
+        None => {
+            let mut search = Search::new(
+                args.min_rate,
+                args.max_rate,
+                0.1,
+                args.p99.as_secs_f64() * 1000.0,
+            );
+            while let Some(rate) = search.next_rate() {
+                let mut config = load_config("steady", &args.common, Some(rate))?;
+                config.users = users_for(rate).max(args.common.users);
+                let outcome = run(config).await?;
+                let step = Step::judge(&outcome.report, outcome.audit.passed(), search.p99_bound_ms);
+                eprintln!(
+                    "overload: capacity search {rate:.0}/s -> p99 {:.0} ms, {}",
+                    step.p99_ms,
+                    if step.sustained { "sustained" } else { "not sustained" }
+                );
+                if !step.audit_passed {
+                    print!("{}", outcome.report.render());
+                    anyhow::bail!("the audit failed during the capacity search");
+                }
+                search.record(step);
+            }
+            print!("{}", search.render());
+            search
+                .sustained
+                .ok_or_else(|| anyhow::anyhow!("no rate sustained p99 <= {:?}", args.p99))?
+        }
+    };
+    let schedule = imdedup_loadtest::overload::phases(capacity, args.surge);
+    let mut config = load_config("steady", &args.common, Some(capacity))?;
+    config.messages = imdedup_loadtest::overload::schedule_messages(&schedule);
+    config.scenario = "overload".to_owned();
+    // Each phone sends at most 25 messages a second, at the highest rate.
+    config.users = users_for(3.0 * capacity).max(args.common.users);
+    config.schedule = schedule.clone();
+    config.ramp = Duration::ZERO;
+    let give_up = config.policy.give_up;
+    let outcome = run(config).await?;
+    let recorded = outcome
+        .seconds
+        .as_ref()
+        .ok_or_else(|| anyhow::anyhow!("the run recorded no seconds"))?;
+    let figures = imdedup_loadtest::overload::Figures::new(capacity, &schedule, recorded, give_up);
+    print!("{}", outcome.report.render());
+    if let Some(path) = &args.common.json {
+        std::fs::write(path, serde_json::to_vec_pretty(&figures)?)?;
+        eprintln!("figures written to {}", path.display());
+    }
+    print!("{}", figures.render());
+    if !outcome.audit.passed() {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+/// Phones for `rate` messages a second at 25 each (a busy person's phone
+/// sends far less; a bot account, about this).
+fn users_for(rate: f64) -> usize {
+    ((rate / 25.0).ceil() as usize).max(2)
 }
 
 async fn run_search(args: SearchArgs) -> anyhow::Result<()> {
@@ -359,5 +450,6 @@ fn load_config(name: &str, args: &Common, rate: Option<f64>) -> anyhow::Result<L
             Encoding::Json
         },
         admin: args.admin.clone(),
+        schedule: Vec::new(),
     })
 }

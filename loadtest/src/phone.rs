@@ -92,6 +92,49 @@ pub async fn wait_until(deadline: Instant) {
     }
 }
 
+/// Tries sent and error answers received, per second of the run: what the
+/// server had to read, and what it refused.
+#[derive(Debug)]
+pub struct TryCounts {
+    started: Instant,
+    tries: Vec<std::sync::atomic::AtomicU64>,
+    refused: Vec<std::sync::atomic::AtomicU64>,
+}
+
+impl TryCounts {
+    /// Counts for `seconds` from `started` (later ones go in the last).
+    pub fn new(started: Instant, seconds: usize) -> Self {
+        let zeros = || (0..seconds.max(1)).map(|_| Default::default()).collect();
+        Self {
+            started,
+            tries: zeros(),
+            refused: zeros(),
+        }
+    }
+
+    fn slot(&self) -> usize {
+        (self.started.elapsed().as_secs() as usize).min(self.tries.len() - 1)
+    }
+
+    fn tried(&self) {
+        self.tries[self.slot()].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn was_refused(&self) {
+        self.refused[self.slot()].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Per second: (tries, error answers).
+    pub fn per_second(&self) -> Vec<(u64, u64)> {
+        let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+        self.tries
+            .iter()
+            .zip(&self.refused)
+            .map(|(t, r)| (load(t), load(r)))
+            .collect()
+    }
+}
+
 /// The shortest wait a retry-after hint buys: a server answering 0 ms (or
 /// 1 ms) must not turn a phone into a busy loop.
 const MIN_PUSHBACK: Duration = Duration::from_millis(20);
@@ -111,6 +154,7 @@ pub async fn deliver(
     offsets: &[Duration],
     fates: &[Fate],
     give_up: Duration,
+    counts: &TryCounts,
 ) -> Trace {
     let mut trace = Trace::default();
     // When the server last asked for the next try.
@@ -119,6 +163,7 @@ pub async fn deliver(
     while let (Some(offset), Some(fate)) = (offsets.get(step), fates.get(step)) {
         wait_until(pushed_to.take().unwrap_or(due + *offset)).await;
         trace.tries += 1;
+        counts.tried();
         if fate.send_lost {
             trace.sends_lost += 1;
             step += 1;
@@ -147,6 +192,7 @@ pub async fn deliver(
                 }
             }
             Ok((_, _, Err(e))) => {
+                counts.was_refused();
                 let retryable = e.retryable;
                 trace.errors.push(e.code);
                 if !retryable {

@@ -33,7 +33,8 @@ use crate::{
     cpu::{self, AdminTarget, ProcessCpu},
     follow,
     link::Link,
-    phone::{Fate, Outgoing, ResendPolicy, Trace, deliver, wait_until},
+    overload::{CpuSample, MessageFate, Phase, Recorded, schedule_dues},
+    phone::{Fate, Outgoing, ResendPolicy, Trace, TryCounts, deliver, wait_until},
     report::Report,
 };
 
@@ -95,12 +96,18 @@ pub struct LoadConfig {
     /// The services' admin ports (`--admin NAME=URL`, with a gateway
     /// target): their CPU per acknowledged message goes in the report.
     pub admin: Vec<AdminTarget>,
+    /// Phases of different rates, one after the other, instead of `rate`
+    /// for `messages` (the `overload` scenario); the run then also records
+    /// tries, refusals and CPU per second.
+    pub schedule: Vec<Phase>,
 }
 
 /// The result of a run.
 pub struct Outcome {
     pub report: Report,
     pub audit: Audit,
+    /// With a schedule: what happened per second and per message.
+    pub seconds: Option<Recorded>,
 }
 
 #[derive(Default)]
@@ -246,6 +253,9 @@ fn check(config: &LoadConfig) -> anyhow::Result<()> {
         if !(0.0..=1.0).contains(&p) {
             bail!("--{name} must be between 0 and 1, got {p}");
         }
+    }
+    if config.schedule.iter().any(|p| !(p.rate > 0.0 && p.rate.is_finite())) {
+        bail!("every phase needs a positive rate");
     }
     if !(config.rate > 0.0 && config.rate.is_finite()) {
         bail!("--rate must be positive");
@@ -396,9 +406,13 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
 
     let traces: Arc<Mutex<Vec<Option<Trace>>>> = Arc::new(Mutex::new(vec![None; plan.len()]));
     let plan = Arc::new(plan);
-    let mut dues: Vec<Duration> = (0..plan.len() as u64)
-        .map(|n| due_after(n, config.rate, config.ramp))
-        .collect();
+    let mut dues: Vec<Duration> = if config.schedule.is_empty() {
+        (0..plan.len() as u64)
+            .map(|n| due_after(n, config.rate, config.ramp))
+            .collect()
+    } else {
+        schedule_dues(&config.schedule)
+    };
     let mut storm_acks = vec![Vec::new(); plan.len()];
     // CPU from here (the phones are connected, the plan is made) to the last
     // answer of the sending phase: per acknowledged message.
@@ -453,6 +467,17 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
     };
 
     let started = Instant::now();
+    // Room for the schedule, the phones' give-up time after it and the audit.
+    let span = dues.last().copied().unwrap_or_default() + config.policy.give_up;
+    let counts = Arc::new(TryCounts::new(started, span.as_secs() as usize + 60));
+    let stop_sampling = CancellationToken::new();
+    let sampler = (!config.schedule.is_empty()).then(|| {
+        tokio::spawn(sample_cpu(
+            config.admin.clone(),
+            started,
+            stop_sampling.clone(),
+        ))
+    });
     let started_at_unix_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
@@ -465,12 +490,13 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
         let due = started + dues[index];
         wait_until(due).await;
         progress.due.fetch_add(1, Ordering::Relaxed);
-        let (phones, plan, body, traces, progress) = (
+        let (phones, plan, body, traces, progress, counts) = (
             Arc::clone(&phones),
             Arc::clone(&plan),
             Arc::clone(&body),
             Arc::clone(&traces),
             Arc::clone(&progress),
+            Arc::clone(&counts),
         );
         let give_up = config.policy.give_up;
         tasks.spawn(async move {
@@ -498,6 +524,7 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
                     &message.offsets,
                     &message.fates,
                     give_up,
+                    &counts,
                 ),
                 copy
             );
@@ -520,6 +547,11 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
     }
     while tasks.join_next().await.is_some() {}
     let sending = started.elapsed();
+    stop_sampling.cancel();
+    let cpu_samples = match sampler {
+        Some(sampler) => sampler.await??,
+        None => Vec::new(),
+    };
     let cpu = cpu_per_message(
         &cpu_baseline,
         progress.acked.load(Ordering::Relaxed),
@@ -565,6 +597,18 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
     // The receivers' view: every conversation's stored history.
     // Each conversation is read by one of its members, on that phone's link.
     let histories = pull_histories(&phones, readers(&plan)).await?;
+    let seconds = (!config.schedule.is_empty()).then(|| Recorded {
+        tries: counts.per_second(),
+        cpu: cpu_samples,
+        messages: traces
+            .iter()
+            .map(|t| MessageFate {
+                due: t.due_offset,
+                latency: t.latency,
+                tries: t.tries,
+            })
+            .collect(),
+    });
     let sent: Vec<Sent> = plan
         .iter()
         .zip(traces)
@@ -589,7 +633,33 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
     Ok(Outcome {
         report,
         audit: result,
+        seconds,
     })
+}
+
+/// Once a second until stopped: the CPU seconds of the services (summed)
+/// and of the driver so far.
+async fn sample_cpu(
+    admin: Vec<AdminTarget>,
+    started: Instant,
+    stop: CancellationToken,
+) -> anyhow::Result<Vec<CpuSample>> {
+    let mut samples = Vec::new();
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => break,
+            _ = tick.tick() => {}
+        }
+        let now = cpu::baseline(&admin).await?;
+        let (services, driver) = now.totals();
+        samples.push(CpuSample {
+            at: started.elapsed(),
+            services,
+            driver,
+        });
+    }
+    Ok(samples)
 }
 
 /// The CPU spent since `baseline` per one of `acked` messages. With the

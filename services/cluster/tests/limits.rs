@@ -91,6 +91,11 @@ async fn the_gateway_sheds_sends_beyond_its_in_flight_cap_and_a_resend_is_stored
         assert_eq!(e.code, "overloaded");
         assert!(e.retry_after.is_some());
     }
+    // Each refusal is an appointment after the one before: the phones are
+    // spread out, not sent back together.
+    let waits: Vec<Duration> = shed.iter().map(|e| e.retry_after.unwrap()).collect();
+    assert!(waits.windows(2).all(|w| w[0] <= w[1]), "{waits:?}");
+    assert!(waits.first() < waits.last() || waits.len() == 1, "{waits:?}");
     let stored = replies.len() - shed.len();
     assert_eq!(common::rows(&ana, DM).await.len(), stored);
     // The phone resends what was shed, one at a time: all stored, once.
@@ -99,6 +104,40 @@ async fn the_gateway_sheds_sends_beyond_its_in_flight_cap_and_a_resend_is_stored
     }
     assert_eq!(common::rows(&ana, DM).await.len(), ids.len());
     assert_eq!(limited(&cluster, "in_flight").await, shed.len() as f64);
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resend_of_a_send_in_flight_joins_it_and_gets_the_same_ack() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = cluster(&dir, |_| {}).await;
+    let ana = common::connect(&cluster, "ana", Encoding::Json).await;
+    let other = common::connect(&cluster, "ana", Encoding::Json).await;
+    // The same message three times back to back (the second and third
+    // arrive while the first is on its way to the shard), and once more
+    // with other content under the same ID.
+    let copies = [(b"j-1".as_slice(), DM, "hello"); 3];
+    let (replies, reused) = tokio::join!(ana.send_pipelined(&copies), async {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        other.send(b"j-1", DM, "other text").await
+    });
+    let acks: Vec<_> = replies
+        .unwrap()
+        .into_iter()
+        .map(|r| r.expect("an ACK"))
+        .collect();
+    assert!(acks.iter().all(|a| a.server_id == acks[0].server_id && a.seq == acks[0].seq));
+    let joined = common::metric(
+        &cluster,
+        "gateway",
+        "imdedup_gateway_resends_joined_total",
+        &[],
+    )
+    .await
+    .unwrap_or_default();
+    assert!(joined >= 1.0, "copies in flight joined the first: {joined}");
+    assert_eq!(reused.unwrap().unwrap_err().code, "id_reused");
+    assert_eq!(common::rows(&ana, DM).await.len(), 1, "stored once");
     cluster.shutdown().await;
 }
 

@@ -163,6 +163,9 @@ pub struct GatewayMetrics {
     ack_duration: Histogram,
     shard_up: Family<ShardLabels, Gauge>,
     limited: Family<ReasonLabels, Counter>,
+    resends_joined: Counter,
+    admission_limit: Gauge,
+    appointments: Gauge,
 }
 
 /// Why the gateway refused or ended something to protect itself (the
@@ -188,6 +191,9 @@ impl Default for GatewayMetrics {
             ack_duration: duration_histogram(),
             shard_up: Family::default(),
             limited: Family::default(),
+            resends_joined: Counter::default(),
+            admission_limit: Gauge::default(),
+            appointments: Gauge::default(),
         }
     }
 }
@@ -240,6 +246,21 @@ impl GatewayMetrics {
             drop(m.limited.get_or_create(&ReasonLabels { reason }));
         }
         registry.register(
+            "imdedup_gateway_resends_joined",
+            "Copies of a send in flight that waited for its answer instead of going to a shard",
+            m.resends_joined.clone(),
+        );
+        registry.register(
+            "imdedup_gateway_admission_limit",
+            "Sends the gateway lets in flight now (adaptive, driven by their latency)",
+            m.admission_limit.clone(),
+        );
+        registry.register(
+            "imdedup_gateway_appointments",
+            "Refused sends given a time to come back, not back yet",
+            m.appointments.clone(),
+        );
+        registry.register(
             "imdedup_gateway_shard_up",
             "1 when the link to the ingest shard works, 0 when it failed last",
             m.shard_up.clone(),
@@ -251,6 +272,23 @@ impl GatewayMetrics {
     /// [`GATEWAY_LIMITS`]).
     pub fn limited(&self, reason: &'static str) {
         self.limited.get_or_create(&ReasonLabels { reason }).inc();
+    }
+
+    /// A copy of a send in flight joined it.
+    pub fn resend_joined(&self) {
+        self.resends_joined.inc();
+    }
+
+    pub fn resends_joined_count(&self) -> u64 {
+        self.resends_joined.get()
+    }
+
+    /// The admission limit and the appointments open now.
+    pub fn set_admission(&self, limit: usize, appointments: usize) {
+        self.admission_limit
+            .set(i64::try_from(limit).unwrap_or(i64::MAX));
+        self.appointments
+            .set(i64::try_from(appointments).unwrap_or(i64::MAX));
     }
 
     /// How many times `reason` was counted.

@@ -11,13 +11,14 @@ use axum::extract::ws::{CloseFrame, Message, WebSocket, close_code};
 use futures_util::{SinkExt, StreamExt};
 use imdedup_core::{
     Error, ErrorKind, convert,
-    model::{ClientMsgId, ConversationId, HistoryQuery, Sender, StoredMessage},
+    model::{Ack, ClientMsgId, ConversationId, HistoryQuery, Sender, StoredMessage},
 };
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 use crate::{
-    Gateway,
+    AdmittedSend, Gateway,
+    admission::Completion,
     frames::{self, Encoded, Encoding, HistoryCmd, Inbound, Outbound, ReplyTo, SendCmd},
 };
 
@@ -146,26 +147,27 @@ pub async fn run(
             }
         };
         // Limits of the user and the gateway: refused at once, with when
-        // to come back, rather than queued.
-        let admitted = match &inbound {
-            Inbound::Send(_) => gateway.admit_send(&session.sender),
-            Inbound::History(_) => Arc::clone(&pulls).try_acquire_owned().map_err(|_| {
-                gateway.metrics().limited("history_pulls");
-                Error::overloaded(
-                    "too many history pulls in flight on this connection; pull again after the last page arrives",
-                    PULL_RETRY_AFTER,
-                )
-            }),
+        // to come back, rather than queued. A copy of a send in flight
+        // joins it instead.
+        let work = match inbound {
+            Inbound::Send(cmd) => match gateway.admit_send(&session.sender, &cmd) {
+                Ok(admitted) => Ok(Work::Send(cmd, admitted)),
+                Err(error) => Err((ReplyTo::send(&cmd), error)),
+            },
+            Inbound::History(cmd) => match Arc::clone(&pulls).try_acquire_owned() {
+                Ok(permit) => Ok(Work::Pull(cmd, permit)),
+                Err(_) => {
+                    gateway.metrics().limited("history_pulls");
+                    Err((ReplyTo::history(&cmd), Error::overloaded(
+                        "too many history pulls in flight on this connection; pull again after the last page arrives",
+                        PULL_RETRY_AFTER,
+                    )))
+                }
+            },
         };
-        // Held until answered: a send's share of the gateway's in-flight
-        // cap, or a pull's of the connection's.
-        let admitted = match admitted {
-            Ok(admitted) => admitted,
-            Err(error) => {
-                let to = match &inbound {
-                    Inbound::Send(cmd) => ReplyTo::send(cmd),
-                    Inbound::History(cmd) => ReplyTo::history(cmd),
-                };
+        let work = match work {
+            Ok(work) => work,
+            Err((to, error)) => {
                 refuse(&gateway, &out, encoding, to, error, read_at).await;
                 continue;
             }
@@ -177,40 +179,54 @@ pub async fn run(
         let gateway = Arc::clone(&gateway);
         let sender = session.sender.clone();
         let out = out.clone();
-        let turn = match &inbound {
-            Inbound::Send(cmd) => Some(order.next(&cmd.conversation)),
-            Inbound::History(_) => None,
+        // A joined copy stores nothing, so it takes no turn.
+        let turn = match &work {
+            Work::Send(cmd, AdmittedSend::Lead { .. }) => Some(order.next(&cmd.conversation)),
+            Work::Send(_, AdmittedSend::Join(_)) | Work::Pull(..) => None,
         };
         tasks.spawn(async move {
-            match inbound {
-                Inbound::Send(cmd) => {
+            match work {
+                Work::Send(cmd, admitted) => {
                     let in_flight = gateway.metrics().send_started();
-                    let turn = match turn {
-                        Some(turn) => Some(turn.wait().await),
-                        None => None,
+                    let to = ReplyTo::send(&cmd);
+                    let id_b64 = cmd.id_b64;
+                    let result = match admitted {
+                        AdmittedSend::Join(first) => first.answer().await,
+                        AdmittedSend::Lead { pass, leader } => {
+                            let turn = match turn {
+                                Some(turn) => Some(turn.wait().await),
+                                None => None,
+                            };
+                            let result = send(&gateway, sender, cmd).await;
+                            // The next send of this conversation may go now.
+                            drop(turn);
+                            pass.finish(Completion::of(&result));
+                            if let Some(leader) = leader {
+                                leader.answer(&result);
+                            }
+                            result
+                        }
                     };
-                    let reply = send(&gateway, sender, cmd).await;
-                    // The next send of this conversation may go now.
-                    drop(turn);
-                    let result = match &reply {
-                        Outbound::Ack { ack, .. } => Ok(ack.outcome),
-                        Outbound::Error { error, .. } => Err(error.kind()),
-                        Outbound::History { .. } => Err(imdedup_core::ErrorKind::Internal),
+                    let kind = result.as_ref().map(|ack| ack.outcome).map_err(Error::kind);
+                    let reply = match result {
+                        Ok(ack) => Outbound::Ack { ack, id_b64 },
+                        Err(error) => Outbound::Error { to, error },
                     };
                     let reply = message(frames::encode(encoding, reply));
                     // Counted as answered once the reply is ready to go: the
                     // queue to the socket never holds more than the in-flight
                     // limit, so enqueueing does not wait.
                     drop(in_flight);
-                    gateway.metrics().send_answered(result, read_at.elapsed());
+                    gateway.metrics().send_answered(kind, read_at.elapsed());
                     let _ = out.send(reply).await;
                 }
-                Inbound::History(cmd) => {
+                Work::Pull(cmd, pull) => {
                     let reply = history(&gateway, &sender, cmd).await;
                     let _ = out.send(message(frames::encode(encoding, reply))).await;
+                    drop(pull);
                 }
             }
-            drop((permit, admitted));
+            drop(permit);
         });
     }
     // Every frame read so far is answered before the connection closes.
@@ -221,6 +237,13 @@ pub async fn run(
     }
     drop(out);
     let _ = writer.await;
+}
+
+/// What a frame asks for, once taken in.
+enum Work {
+    Send(SendCmd, AdmittedSend),
+    /// A pull, holding one of the connection's pull places.
+    Pull(HistoryCmd, tokio::sync::OwnedSemaphorePermit),
 }
 
 /// How long a phone is asked to wait before another pull, when it has too
@@ -330,9 +353,7 @@ fn message(encoded: Encoded) -> Message {
         error.type = tracing::field::Empty,
     )
 )]
-async fn send(gateway: &Gateway, sender: Sender, cmd: SendCmd) -> Outbound {
-    let to = ReplyTo::send(&cmd);
-    let id_b64 = cmd.id_b64;
+async fn send(gateway: &Gateway, sender: Sender, cmd: SendCmd) -> Result<Ack, Error> {
     let validated = if ClientMsgId::is_reserved_for_business(&cmd.id) {
         // Those IDs are derived from business idempotency keys: a phone
         // must not be able to answer for, or collide with, a business call.
@@ -371,19 +392,18 @@ async fn send(gateway: &Gateway, sender: Sender, cmd: SendCmd) -> Outbound {
         Err(e) => Err(e),
     };
     let span = tracing::Span::current();
-    match result {
+    match &result {
         Ok(ack) => {
             span.record("imdedup.outcome", ack.outcome.as_str());
-            Outbound::Ack { ack, id_b64 }
         }
         Err(error) => {
             span.record("error.type", error.kind().as_str());
             if error.retryable() {
                 span.record("otel.status_code", "ERROR");
             }
-            Outbound::Error { to, error }
         }
     }
+    result
 }
 
 /// An error from ingest or storage, as the phone gets it. The gateway has

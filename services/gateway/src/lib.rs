@@ -2,15 +2,24 @@
 //! goes to the ingest shard that owns its conversation, and the ACK (or a
 //! clear error) comes back on the same connection.
 
+pub mod admission;
 pub mod authz;
 pub mod business;
 pub mod connection;
 pub mod frames;
 pub mod limits;
 pub mod listener;
+pub mod resends;
 pub mod shards;
 
-use std::{collections::HashMap, sync::Arc, time::Duration};
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
 
 use axum::{
     Json, Router,
@@ -31,9 +40,11 @@ use imdedup_core::{
     tls::InternalTls,
     token::TokenVerifier,
 };
+use admission::{Admission, AdmissionOptions, Pass};
+use frames::SendCmd;
 use limits::{Limits, SendRate, UserConnections};
-use listener::{Admission, GuardedListener};
-use tokio::sync::OwnedSemaphorePermit;
+use listener::{Admission as ConnectionAdmission, GuardedListener};
+use resends::{Follower, InFlightSends, Leader};
 use tokio::{net::TcpListener, sync::Semaphore};
 
 /// How long a phone is asked to wait when the gateway as a whole is busy.
@@ -87,9 +98,26 @@ pub struct Gateway {
     connections: Arc<Semaphore>,
     user_connections: UserConnections,
     send_rate: SendRate,
-    /// Sends in flight in the whole gateway.
-    sends_in_flight: Arc<Semaphore>,
+    /// Which sends go in now, and when the others come back.
+    admission: Arc<Admission>,
+    /// Sends in flight that a resend can join.
+    resends: Arc<InFlightSends>,
+    /// Sends admitted, to sample the admission gauges now and then.
+    admitted: AtomicU64,
     metrics: GatewayMetrics,
+}
+
+/// How a send was taken in.
+pub(crate) enum AdmittedSend {
+    /// A copy of a send in flight: it gets that send's answer.
+    Join(Follower),
+    /// A send of its own, holding a place of the admission limit; its
+    /// answer goes to the copies that join it (none if another send with
+    /// the same ID but other content is in flight).
+    Lead {
+        pass: Pass,
+        leader: Option<Leader>,
+    },
 }
 
 impl Gateway {
@@ -111,7 +139,12 @@ impl Gateway {
                 config.limits.user_sends_per_second,
                 config.limits.user_send_burst,
             ),
-            sends_in_flight: Arc::new(Semaphore::new(config.limits.max_sends_in_flight.max(1))),
+            admission: Admission::new(AdmissionOptions {
+                target: config.limits.send_latency_target,
+                ..AdmissionOptions::with_max(config.limits.max_sends_in_flight)
+            }),
+            resends: InFlightSends::new(),
+            admitted: AtomicU64::new(0),
             metrics: GatewayMetrics::default(),
             config,
         })
@@ -132,10 +165,44 @@ impl Gateway {
         self.storage.history(query).await
     }
 
-    /// Admit one send of `sender`: within the user's rate and the
-    /// gateway's in-flight cap, or refused with `overloaded` and when to
-    /// try again. The permit is held until the send is answered.
-    pub(crate) fn admit_send(&self, sender: &Sender) -> Result<OwnedSemaphorePermit, Error> {
+    /// Admit one send of `sender`: a copy of a send in flight joins it;
+    /// any other goes in if the admission limit and the user's rate allow,
+    /// or is refused with `overloaded` and when to try again (see
+    /// [`admission`]).
+    pub(crate) fn admit_send(&self, sender: &Sender, cmd: &SendCmd) -> Result<AdmittedSend, Error> {
+        let key = self
+            .resends
+            .key(sender.as_str(), &cmd.id, &cmd.conversation, &cmd.body);
+        if let Some(follower) = self.resends.join(key) {
+            self.metrics.resend_joined();
+            return Ok(AdmittedSend::Join(follower));
+        }
+        let pass = self.admit(sender, &cmd.id)?;
+        if self.admitted.fetch_add(1, Ordering::Relaxed) % 256 == 0 {
+            self.metrics
+                .set_admission(self.admission.limit(), self.admission.booked());
+        }
+        match self.resends.lead(key) {
+            Ok(leader) => Ok(AdmittedSend::Lead { pass, leader }),
+            Err(follower) => {
+                self.metrics.resend_joined();
+                Ok(AdmittedSend::Join(follower))
+            }
+        }
+    }
+
+    /// A place of the admission limit for a send of `sender` with `id`,
+    /// within the user's rate; or `overloaded` with when to try again.
+    pub(crate) fn admit(&self, sender: &Sender, id: &[u8]) -> Result<Pass, Error> {
+        let pass = self.admission.admit(sender.as_str(), id).map_err(|refusal| {
+            self.metrics.limited("in_flight");
+            self.metrics
+                .set_admission(self.admission.limit(), self.admission.booked());
+            Error::overloaded(
+                "the gateway is busy; not stored: resend with the same id after retry_after_ms",
+                refusal.retry_after(),
+            )
+        })?;
         if let Err(wait) = self.send_rate.check(sender) {
             self.metrics.limited("user_send_rate");
             return Err(Error::overloaded(
@@ -143,15 +210,7 @@ impl Gateway {
                 wait.max(Duration::from_millis(1)),
             ));
         }
-        Arc::clone(&self.sends_in_flight)
-            .try_acquire_owned()
-            .map_err(|_| {
-                self.metrics.limited("in_flight");
-                Error::overloaded(
-                    "the gateway is busy; not stored: resend with the same id after a pause",
-                    BUSY_RETRY_AFTER,
-                )
-            })
+        Ok(pass)
     }
 
     /// Connections open now.
@@ -198,7 +257,7 @@ fn refuse(status: StatusCode, error: Error) -> Response {
 
 async fn business_message(
     State(state): State<AppState>,
-    ConnectInfo(admission): ConnectInfo<Admission>,
+    ConnectInfo(admission): ConnectInfo<ConnectionAdmission>,
     headers: HeaderMap,
     body: axum::body::Body,
 ) -> Response {
@@ -223,7 +282,7 @@ fn bearer_token<'a>(headers: &'a HeaderMap, query: &'a HashMap<String, String>) 
 
 async fn upgrade(
     State(state): State<AppState>,
-    ConnectInfo(admission): ConnectInfo<Admission>,
+    ConnectInfo(admission): ConnectInfo<ConnectionAdmission>,
     headers: HeaderMap,
     Query(query): Query<HashMap<String, String>>,
     ws: WebSocketUpgrade,
@@ -318,7 +377,7 @@ pub async fn serve(
     );
     axum::serve(
         listener,
-        app.into_make_service_with_connect_info::<Admission>(),
+        app.into_make_service_with_connect_info::<ConnectionAdmission>(),
     )
     .with_graceful_shutdown(shutdown.cancelled_owned())
     .await?;

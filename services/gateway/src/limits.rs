@@ -36,8 +36,11 @@ pub struct Limits {
     pub user_sends_per_second: NonZeroU32,
     /// Sends one user may make at once above that rate (bucket size).
     pub user_send_burst: NonZeroU32,
-    /// Sends in flight in the whole gateway.
+    /// Sends in flight in the whole gateway, at most: the ceiling of the
+    /// adaptive admission limit (see [`crate::admission`]).
     pub max_sends_in_flight: usize,
+    /// A send answered later than this cuts the admission limit.
+    pub send_latency_target: Duration,
     /// Message bodies in one history page, in bytes (a page holds at least
     /// one message).
     pub max_history_page_bytes: usize,
@@ -56,6 +59,7 @@ impl Default for Limits {
             user_sends_per_second: NonZeroU32::new(50).expect("non-zero"),
             user_send_burst: NonZeroU32::new(200).expect("non-zero"),
             max_sends_in_flight: 20_000,
+            send_latency_target: Duration::from_millis(250),
             max_history_page_bytes: 1 << 20,
             max_pulls_per_connection: 2,
         }

@@ -33,10 +33,15 @@ pub struct LimitArgs {
     /// Sends one user may make at once above that rate.
     #[arg(long, env = "IMDEDUP_USER_SEND_BURST", default_value = "200")]
     pub user_send_burst: NonZeroU32,
-    /// Most sends in flight in the gateway; beyond, `overloaded` with
-    /// `retry_after_ms`.
+    /// Most sends in flight in the gateway: the ceiling of its adaptive
+    /// admission limit; beyond the limit, `overloaded` with
+    /// `retry_after_ms` (an appointment).
     #[arg(long, env = "IMDEDUP_MAX_SENDS_IN_FLIGHT", default_value_t = 20_000)]
     pub max_sends_in_flight: usize,
+    /// A send answered later than this cuts the gateway's admission limit,
+    /// so the work it takes in finishes in about this time.
+    #[arg(long, env = "IMDEDUP_SEND_LATENCY_TARGET", default_value = "250ms", value_parser = duration)]
+    pub send_latency_target: Duration,
     /// Most bytes of message bodies in one history page (a page holds at
     /// least one message).
     #[arg(long, env = "IMDEDUP_MAX_HISTORY_PAGE_BYTES", default_value_t = 1 << 20)]
@@ -58,6 +63,7 @@ impl LimitArgs {
             user_sends_per_second: self.user_sends_per_second,
             user_send_burst: self.user_send_burst,
             max_sends_in_flight: self.max_sends_in_flight.max(1),
+            send_latency_target: self.send_latency_target.max(Duration::from_millis(1)),
             max_history_page_bytes: self.max_history_page_bytes.max(1),
             max_pulls_per_connection: self.max_pulls_per_connection.max(1),
         }

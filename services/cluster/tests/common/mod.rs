@@ -208,7 +208,12 @@ pub async fn send_until_acked(
     for _ in 0..20 {
         match client.send(id, conversation, body).await.unwrap() {
             Ok(ack) => return ack,
-            Err(e) if e.retryable => continue,
+            Err(e) if e.retryable => {
+                // As a phone does: after the pause the server asked for.
+                if let Some(wait) = e.retry_after {
+                    tokio::time::sleep(wait).await;
+                }
+            }
             Err(e) => panic!("final error {e:?}"),
         }
     }

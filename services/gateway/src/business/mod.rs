@@ -185,11 +185,14 @@ async fn authorized_send(
         .authz
         .check(&sender, &message.conversation)
         .await?;
-    let _admitted = gateway.admit_send(&sender).map_err(for_business)?;
+    let admitted = gateway
+        .admit(&sender, message.key.client_msg_id.as_bytes())
+        .map_err(for_business)?;
     let (shard, result) = gateway
         .shards
         .send(message, gateway.config.send_timeout)
         .await;
+    admitted.finish(crate::admission::Completion::of(&result));
     gateway
         .metrics()
         .shard_replied(shard, result.as_ref().map(|_| ()).map_err(Error::kind));

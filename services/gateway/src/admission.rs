@@ -1,0 +1,603 @@
+//! Which sends the gateway takes in now, and when the others are to come
+//! back.
+//!
+//! Past its capacity a service must keep serving at capacity. Two things
+//! broke that before: the gateway took in up to a fixed number of sends, far
+//! more than could be answered before the phones' first resend, so the work
+//! inside was late work; and every refusal asked the phone back after the
+//! same half second, so the refused came back together, were refused again,
+//! and the refusals (a frame read, decoded, answered and read again, dozens
+//! of times per message) took the CPU the sends needed. Goodput fell to a
+//! tenth of capacity for as long as the load lasted.
+//!
+//! Two rules replace that.
+//!
+//! **A limit driven by time.** At most `limit` sends are in flight from
+//! this gateway. The limit adapts like TCP's congestion window (AIMD): a
+//! send answered later than `target`, or refused by its shard as
+//! overloaded, cuts it by a tenth (at most once per round trip: a late send
+//! that started before the last cut says nothing new); while sends come
+//! back in time and the limit is used, it grows by one per round trip, or by
+//! one per send below half the limit of the last cut (slow start). So
+//! whatever the offered load, the work inside is work that finishes within
+//! about `target`: Little's law makes the limit settle near capacity x
+//! target.
+//!
+//! **Appointments.** A send that finds no room is refused at once (no
+//! allocation, no backend call) with an appointment: `retry_after_ms` tells
+//! the phone when its turn comes. Appointments are handed out one after the
+//! other, spaced by the time the gateway needs per send at its current
+//! limit and latency (limit / latency is what it serves per second), so the
+//! phones come back at the rate they can be served, not together. A phone
+//! that comes back for its appointment goes in even if the limit is reached
+//! (up to twice the limit); a new send does not jump ahead of the
+//! appointments given out, unless more than half the limit is free. A
+//! refused message is therefore tried about twice, however long the queue
+//! of appointments, and the wait it is given grows with the overload.
+//! Appointments go no further than `horizon`; past it the phone is told to
+//! come back after the horizon (jittered), without an appointment, and the
+//! refusal is counted as shed.
+//!
+//! Appointments are by (sender, message ID), hashed: another connection of
+//! the same phone with the same message keeps the same turn, and a hash
+//! collision only gives a stranger's message a turn early.
+
+use std::{
+    collections::HashMap,
+    hash::{BuildHasher, Hash, Hasher, RandomState},
+    sync::{Arc, Mutex, PoisonError},
+    time::{Duration, Instant},
+};
+
+use imdedup_core::{Error, ErrorKind, model::Ack};
+use rand::Rng;
+
+/// Bounds of the admission limit and of the appointments.
+#[derive(Debug, Clone, Copy)]
+pub struct AdmissionOptions {
+    /// Sends in flight allowed at start.
+    pub initial: usize,
+    /// The limit never falls below this.
+    pub min: usize,
+    /// The limit never grows above this (`--max-sends-in-flight`).
+    pub max: usize,
+    /// A send answered later than this cuts the limit.
+    pub target: Duration,
+    /// The furthest appointment given out.
+    pub horizon: Duration,
+}
+
+impl Default for AdmissionOptions {
+    fn default() -> Self {
+        Self {
+            initial: 512,
+            min: 16,
+            max: 20_000,
+            target: Duration::from_millis(250),
+            horizon: Duration::from_secs(20),
+        }
+    }
+}
+
+impl AdmissionOptions {
+    /// The defaults, with `max` sends in flight at most.
+    pub fn with_max(max: usize) -> Self {
+        let max = max.max(1);
+        let defaults = Self::default();
+        Self {
+            initial: defaults.initial.min(max),
+            min: defaults.min.min(max),
+            max,
+            ..defaults
+        }
+    }
+}
+
+/// A phone comes back this much early for its appointment and still has it.
+const EARLY: Duration = Duration::from_millis(20);
+/// The shortest wait asked for.
+const MIN_WAIT: Duration = Duration::from_millis(5);
+/// Appointments kept at most; beyond, refusals are shed without one.
+const MAX_BOOKED: usize = 1 << 20;
+/// An appointment nobody came for is forgotten this long after its time.
+const FORGET_AFTER: Duration = Duration::from_secs(60);
+
+/// Why a send was not taken in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// Come back after `retry_after`: the send has an appointment then.
+    Appointment { retry_after: Duration },
+    /// No appointment could be given (past the horizon, or too many
+    /// booked): come back after `retry_after`, jittered.
+    Shed { retry_after: Duration },
+}
+
+impl Refusal {
+    pub fn retry_after(self) -> Duration {
+        match self {
+            Self::Appointment { retry_after } | Self::Shed { retry_after } => retry_after,
+        }
+    }
+}
+
+/// How an admitted send ended, for the limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Completion {
+    /// Answered by its shard (an ACK or a final error).
+    Answered,
+    /// Refused by its shard as overloaded, or past its deadline: a sign of
+    /// congestion whatever it took.
+    Congested,
+}
+
+impl Completion {
+    /// What a send's answer says about congestion behind the gateway.
+    pub fn of(result: &Result<Ack, Error>) -> Self {
+        match result {
+            Err(e) if matches!(e.kind(), ErrorKind::Overloaded | ErrorKind::DeadlineExceeded) => {
+                Self::Congested
+            }
+            _ => Self::Answered,
+        }
+    }
+}
+
+/// The gateway's admission: see the module's comment.
+pub struct Admission {
+    state: Mutex<State>,
+    options: AdmissionOptions,
+    keys: RandomState,
+}
+
+/// A place taken by an admitted send; given back when dropped. A pass
+/// dropped without [`Pass::finish`] (the send was refused further on, by
+/// the user's rate) says nothing about congestion.
+pub struct Pass {
+    admission: Arc<Admission>,
+    started: Instant,
+    completion: Option<Completion>,
+}
+
+impl Pass {
+    pub fn finish(mut self, completion: Completion) {
+        self.completion = Some(completion);
+    }
+}
+
+impl Drop for Pass {
+    fn drop(&mut self) {
+        self.admission
+            .release(self.started, Instant::now(), self.completion);
+    }
+}
+
+impl Admission {
+    pub fn new(options: AdmissionOptions) -> Arc<Self> {
+        let now = Instant::now();
+        Arc::new(Self {
+            state: Mutex::new(State::new(options, now)),
+            options,
+            keys: RandomState::new(),
+        })
+    }
+
+    /// Take in the send of (`sender`, `id`), or say when to come back.
+    pub fn admit(self: &Arc<Self>, sender: &str, id: &[u8]) -> Result<Pass, Refusal> {
+        let key = self.key(sender, id);
+        let now = Instant::now();
+        let mut rng = rand::rng();
+        self.lock()
+            .admit(key, now, &self.options, &mut rng)
+            .map(|()| Pass {
+                admission: Arc::clone(self),
+                started: now,
+                completion: None,
+            })
+    }
+
+    /// The limit now.
+    pub fn limit(&self) -> usize {
+        self.lock().aimd.limit()
+    }
+
+    /// Appointments given out and not kept yet.
+    pub fn booked(&self) -> usize {
+        self.lock().book.len()
+    }
+
+    fn key(&self, sender: &str, id: &[u8]) -> u64 {
+        let mut hasher = self.keys.build_hasher();
+        sender.hash(&mut hasher);
+        id.hash(&mut hasher);
+        hasher.finish()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn release(&self, started: Instant, now: Instant, completion: Option<Completion>) {
+        let mut state = self.lock();
+        state.in_flight = state.in_flight.saturating_sub(1);
+        if let Some(completion) = completion {
+            let in_flight = state.in_flight + 1;
+            state.completed(started, now, in_flight, completion);
+        }
+    }
+}
+
+#[derive(Debug)]
+struct State {
+    aimd: Aimd,
+    in_flight: usize,
+    /// Latency of admitted sends, smoothed, in seconds.
+    latency: f64,
+    /// The last appointment given out.
+    last_slot: Instant,
+    book: HashMap<u64, Instant>,
+    last_sweep: Instant,
+}
+
+/// Weight of one answered send in the smoothed latency.
+const LATENCY_WEIGHT: f64 = 0.02;
+
+impl State {
+    fn new(options: AdmissionOptions, now: Instant) -> Self {
+        Self {
+            aimd: Aimd::new(options),
+            in_flight: 0,
+            latency: 0.005,
+            last_slot: now,
+            book: HashMap::new(),
+            last_sweep: now,
+        }
+    }
+
+    fn admit(
+        &mut self,
+        key: u64,
+        now: Instant,
+        options: &AdmissionOptions,
+        rng: &mut impl Rng,
+    ) -> Result<(), Refusal> {
+        let limit = self.aimd.limit();
+        let idle = self.in_flight * 2 < limit;
+        let pending = self.last_slot > now;
+        let appointment = self.book.get(&key).copied();
+        let admitted = match appointment {
+            // Its turn: in, even above the limit (the appointments are
+            // paced at what the gateway serves), up to twice the limit.
+            Some(slot) if slot <= now + EARLY => self.in_flight < limit.saturating_mul(2),
+            Some(_) => idle,
+            None => idle || (self.in_flight < limit && !pending),
+        };
+        if admitted {
+            if appointment.is_some() {
+                self.book.remove(&key);
+            }
+            self.in_flight += 1;
+            return Ok(());
+        }
+        if let Some(slot) = appointment.filter(|slot| *slot > now + EARLY) {
+            // Early: the same appointment.
+            return Err(Refusal::Appointment {
+                retry_after: (slot - now).max(MIN_WAIT),
+            });
+        }
+        self.sweep(now);
+        // The next appointment, one send's time after the last one.
+        let spacing = Duration::from_secs_f64(self.latency / limit.max(1) as f64);
+        let slot = self.last_slot.max(now) + spacing;
+        if slot > now + options.horizon || self.book.len() >= MAX_BOOKED {
+            let retry_after = options.horizon.mul_f64(rng.random_range(0.9..=1.1));
+            return Err(Refusal::Shed { retry_after });
+        }
+        self.last_slot = slot;
+        self.book.insert(key, slot);
+        Err(Refusal::Appointment {
+            retry_after: (slot - now).max(MIN_WAIT),
+        })
+    }
+
+    fn completed(
+        &mut self,
+        started: Instant,
+        now: Instant,
+        in_flight: usize,
+        completion: Completion,
+    ) {
+        let rtt = now.saturating_duration_since(started);
+        self.latency += LATENCY_WEIGHT * (rtt.as_secs_f64() - self.latency);
+        let congested = completion == Completion::Congested || rtt > self.aimd.target;
+        self.aimd.update(started, now, in_flight, congested);
+    }
+
+    /// Forget appointments nobody came for, now and then.
+    fn sweep(&mut self, now: Instant) {
+        if now.saturating_duration_since(self.last_sweep) < Duration::from_secs(1) {
+            return;
+        }
+        self.last_sweep = now;
+        self.book
+            .retain(|_, slot| now.saturating_duration_since(*slot) < FORGET_AFTER);
+    }
+}
+
+/// The limit: additive increase per round trip, multiplicative decrease at
+/// most once per round trip, slow start below the threshold.
+#[derive(Debug)]
+struct Aimd {
+    limit: f64,
+    min: usize,
+    max: usize,
+    target: Duration,
+    last_cut: Option<Instant>,
+    /// Below this the limit grows by one per send in time (half the limit
+    /// at the first cut after it last grew).
+    threshold: f64,
+    grew: bool,
+}
+
+/// What a cut leaves of the limit.
+const BACKOFF: f64 = 0.9;
+
+impl Aimd {
+    fn new(options: AdmissionOptions) -> Self {
+        let min = options.min.max(1);
+        let max = options.max.max(min);
+        Self {
+            limit: options.initial.clamp(min, max) as f64,
+            min,
+            max,
+            target: options.target,
+            last_cut: None,
+            threshold: 0.0,
+            grew: true,
+        }
+    }
+
+    fn limit(&self) -> usize {
+        (self.limit as usize).clamp(self.min, self.max)
+    }
+
+    /// A send admitted at `started` ended at `now`, with `in_flight` in
+    /// flight (itself included), congested or not.
+    fn update(&mut self, started: Instant, now: Instant, in_flight: usize, congested: bool) {
+        if congested {
+            if self.last_cut.is_some_and(|cut| started < cut) {
+                return;
+            }
+            self.last_cut = Some(now);
+            if std::mem::take(&mut self.grew) {
+                self.threshold = self.limit / 2.0;
+            }
+            self.limit = (self.limit * BACKOFF).max(self.min as f64);
+        } else if in_flight * 2 >= self.limit() {
+            let step = if self.limit < self.threshold {
+                1.0
+            } else {
+                1.0 / self.limit
+            };
+            self.limit = (self.limit + step).min(self.max as f64);
+            self.grew = true;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::{SeedableRng, rngs::StdRng};
+
+    use super::*;
+
+    fn options(max: usize) -> AdmissionOptions {
+        AdmissionOptions {
+            initial: max,
+            min: 1,
+            max,
+            target: Duration::from_millis(250),
+            horizon: Duration::from_secs(20),
+        }
+    }
+
+    struct Door {
+        state: State,
+        options: AdmissionOptions,
+        rng: StdRng,
+    }
+
+    impl Door {
+        fn new(options: AdmissionOptions, now: Instant) -> Self {
+            Self {
+                state: State::new(options, now),
+                options,
+                rng: StdRng::seed_from_u64(1),
+            }
+        }
+
+        fn admit(&mut self, key: u64, now: Instant) -> Result<(), Refusal> {
+            self.state.admit(key, now, &self.options, &mut self.rng)
+        }
+
+        fn done(&mut self, started: Instant, now: Instant) {
+            let in_flight = self.state.in_flight;
+            self.state.in_flight -= 1;
+            self.state
+                .completed(started, now, in_flight, Completion::Answered);
+        }
+    }
+
+    fn wait(refusal: Result<(), Refusal>) -> Duration {
+        match refusal {
+            Err(Refusal::Appointment { retry_after }) => retry_after,
+            other => panic!("expected an appointment, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn refused_sends_get_appointments_spaced_by_what_the_gateway_serves() {
+        let now = Instant::now();
+        let mut door = Door::new(options(10), now);
+        // Sends take 100 ms: at a limit of 10, one send per 10 ms.
+        door.state.latency = 0.1;
+        for key in 0..10 {
+            door.admit(key, now).unwrap();
+        }
+        let waits: Vec<Duration> = (10..20).map(|key| wait(door.admit(key, now))).collect();
+        for (n, w) in waits.iter().enumerate() {
+            let expected = 0.01 * (n + 1) as f64;
+            assert!(
+                (w.as_secs_f64() - expected).abs() < 1e-6,
+                "appointment {n}: {w:?}"
+            );
+        }
+        assert_eq!(door.state.book.len(), 10);
+    }
+
+    #[test]
+    fn a_phone_back_for_its_appointment_goes_in_before_new_sends() {
+        let now = Instant::now();
+        let mut door = Door::new(options(4), now);
+        door.state.latency = 0.04;
+        for key in 0..4 {
+            door.admit(key, now).unwrap();
+        }
+        let back = now + wait(door.admit(100, now));
+        // One place frees up before the appointment: still not for a new
+        // send, the appointment comes first.
+        door.done(now, back - Duration::from_millis(5));
+        assert!(door.admit(200, back - Duration::from_millis(4)).is_err());
+        // Coming early keeps the same appointment.
+        let early = back - Duration::from_millis(30);
+        assert_eq!(wait(door.admit(100, early)), Duration::from_millis(30));
+        // On time: in, even though the limit is reached.
+        door.admit(100, back).unwrap();
+        assert_eq!(door.state.in_flight, 4);
+        assert!(door.state.book.get(&100).is_none(), "an appointment is used once");
+    }
+
+    #[test]
+    fn appointments_end_at_the_horizon_and_are_shed_beyond_it() {
+        let now = Instant::now();
+        let mut door = Door::new(options(1), now);
+        // One send per second: 20 appointments fit in 20 s.
+        door.state.latency = 1.0;
+        door.admit(0, now).unwrap();
+        for key in 1..=20 {
+            assert!(wait(door.admit(key, now)) <= Duration::from_secs(20));
+        }
+        match door.admit(21, now) {
+            Err(Refusal::Shed { retry_after }) => {
+                assert!(retry_after >= Duration::from_secs(18), "{retry_after:?}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_free_gateway_takes_everyone_at_once() {
+        let now = Instant::now();
+        let mut door = Door::new(options(100), now);
+        for key in 0..100 {
+            door.admit(key, now).unwrap();
+        }
+        assert!(door.state.book.is_empty());
+    }
+
+    #[test]
+    fn late_answers_cut_the_limit_once_per_round_trip_and_timely_ones_grow_it() {
+        let now = Instant::now();
+        let mut aimd = Aimd::new(AdmissionOptions {
+            initial: 100,
+            min: 10,
+            max: 1000,
+            target: Duration::from_millis(250),
+            horizon: Duration::from_secs(20),
+        });
+        // 100 sends caught together in one slow second: one cut.
+        let end = now + Duration::from_secs(1);
+        for in_flight in (1..=100).rev() {
+            aimd.update(now, end, in_flight, true);
+        }
+        assert_eq!(aimd.limit(), 90);
+        // A send started after that cut and late again: another cut.
+        aimd.update(end, end + Duration::from_secs(1), 90, true);
+        assert_eq!(aimd.limit(), 81);
+        // Below half the limit it had, timely sends grow it by one each.
+        let mut low = Aimd::new(AdmissionOptions {
+            initial: 1000,
+            min: 10,
+            max: 1000,
+            ..AdmissionOptions::default()
+        });
+        for round in 0..30 {
+            let t = now + Duration::from_secs(round);
+            low.update(t, t, 1000, true);
+        }
+        assert_eq!(low.limit(), 10);
+        let t = now + Duration::from_secs(100);
+        for _ in 0..100 {
+            low.update(t, t, 1000, false);
+        }
+        assert_eq!(low.limit(), 110, "slow start after a collapse");
+        // An idle gateway's limit does not grow.
+        let before = aimd.limit();
+        aimd.update(t, t, 1, false);
+        assert_eq!(aimd.limit(), before);
+    }
+
+    #[test]
+    fn offered_three_times_what_it_serves_the_door_keeps_it_busy_and_in_time() {
+        // A gateway serving one send per millisecond (a CPU-bound box at
+        // 1,000 sends/s), offered three new sends per millisecond for 20 s;
+        // refused phones come back when told. The work inside stays within
+        // the target, the gateway stays busy, and a message is tried about
+        // twice.
+        let start = Instant::now();
+        let mut door = Door::new(AdmissionOptions::default(), start);
+        let mut inside: std::collections::VecDeque<(Instant, Instant)> = Default::default();
+        let mut returns: std::collections::BinaryHeap<std::cmp::Reverse<(Instant, u64)>> =
+            Default::default();
+        let (mut key, mut tries, mut late, mut served) = (0u64, 0u64, 0u64, 0u64);
+        let mut admitted_keys = std::collections::HashSet::new();
+        for ms in 0..20_000u64 {
+            let now = start + Duration::from_millis(ms);
+            while inside.front().is_some_and(|(_, end)| *end <= now) {
+                let (started, end) = inside.pop_front().unwrap();
+                served += 1;
+                late += u64::from(end - started > Duration::from_millis(300));
+                door.done(started, end);
+            }
+            let mut arriving: Vec<u64> = Vec::new();
+            while returns.peek().is_some_and(|r| r.0.0 <= now) {
+                arriving.push(returns.pop().unwrap().0.1);
+            }
+            for _ in 0..3 {
+                key += 1;
+                arriving.push(key);
+            }
+            for k in arriving {
+                tries += 1;
+                match door.admit(k, now) {
+                    Ok(()) => {
+                        admitted_keys.insert(k);
+                        let from = inside.back().map_or(now, |(_, last)| (*last).max(now));
+                        inside.push_back((now, from + Duration::from_millis(1)));
+                    }
+                    Err(refusal) => {
+                        returns.push(std::cmp::Reverse((now + refusal.retry_after(), k)));
+                    }
+                }
+            }
+        }
+        // Busy all along (it serves 1/ms), and what went in came out in time.
+        assert!(served >= 19_000, "served {served} in 20 s");
+        assert!(late * 100 < served, "{late} of {served} answered late");
+        // Of the messages served, about two tries each (the appointments
+        // beyond the horizon are retried more).
+        let per_served = tries as f64 / admitted_keys.len() as f64;
+        assert!(per_served < 4.0, "{per_served:.2} tries per served message");
+        let limit = door.state.aimd.limit();
+        assert!((100..=400).contains(&limit), "limit {limit}");
+    }
+}

@@ -1,0 +1,230 @@
+//! A resend of a message still in flight joins it.
+//!
+//! A phone resends when no ACK came within a second; under load the first
+//! copy is often still on its way through ingest and storage. Sending the
+//! copy too would double the work exactly when there is least to spare (and
+//! a slow service would be slowed further by its own slowness). So while a
+//! send of (sender, message ID) is in flight in this gateway, a copy of it
+//! from any connection of that sender waits for the same answer instead,
+//! without taking a place of the gateway's limit or a token of the user's
+//! rate.
+//!
+//! Only a true copy joins: same sender, ID, conversation and body (compared
+//! by two independent 64-bit hashes, so a false join needs a 128-bit
+//! collision). A send that reuses an ID for other content goes through as
+//! its own send, and the ingest answers it `id_reused`.
+
+use std::{
+    collections::HashMap,
+    hash::{BuildHasher, Hash, Hasher, RandomState},
+    sync::{Arc, Mutex, PoisonError},
+};
+
+use imdedup_core::{Error, model::Ack};
+use tokio::sync::watch;
+
+type Answer = Option<Result<Ack, Error>>;
+
+/// The sends in flight in this gateway, by (sender, message ID).
+pub struct InFlightSends {
+    sends: Mutex<HashMap<u64, Entry>>,
+    keys: RandomState,
+    contents: RandomState,
+}
+
+struct Entry {
+    content: u64,
+    answer: watch::Receiver<Answer>,
+}
+
+/// What identifies one send: its key and a fingerprint of all of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SendKey {
+    key: u64,
+    content: u64,
+}
+
+/// The first copy in flight; its answer goes to every copy that joined.
+/// Dropped without an answer, the copies are told to resend.
+pub struct Leader {
+    sends: Arc<InFlightSends>,
+    key: u64,
+    answer: watch::Sender<Answer>,
+}
+
+/// A copy waiting for the first one's answer.
+pub struct Follower {
+    answer: watch::Receiver<Answer>,
+}
+
+impl InFlightSends {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self {
+            sends: Mutex::new(HashMap::new()),
+            keys: RandomState::new(),
+            contents: RandomState::new(),
+        })
+    }
+
+    pub fn key(&self, sender: &str, id: &[u8], conversation: &str, body: &str) -> SendKey {
+        let mut key = self.keys.build_hasher();
+        (sender, id).hash(&mut key);
+        let mut content = self.contents.build_hasher();
+        (sender, id, conversation, body).hash(&mut content);
+        SendKey {
+            key: key.finish(),
+            content: content.finish(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Entry>> {
+        self.sends.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Join the copy of `key` in flight, if there is one.
+    pub fn join(&self, key: SendKey) -> Option<Follower> {
+        let sends = self.lock();
+        let entry = sends.get(&key.key)?;
+        (entry.content == key.content).then(|| Follower {
+            answer: entry.answer.clone(),
+        })
+    }
+
+    /// Lead the send of `key`; if a copy got there first meanwhile, join it
+    /// instead (`Err`). A send with the same ID but other content leads
+    /// without being joinable.
+    pub fn lead(self: &Arc<Self>, key: SendKey) -> Result<Option<Leader>, Follower> {
+        let mut sends = self.lock();
+        if let Some(entry) = sends.get(&key.key) {
+            return if entry.content == key.content {
+                Err(Follower {
+                    answer: entry.answer.clone(),
+                })
+            } else {
+                Ok(None)
+            };
+        }
+        let (answer, receiver) = watch::channel(None);
+        sends.insert(
+            key.key,
+            Entry {
+                content: key.content,
+                answer: receiver,
+            },
+        );
+        Ok(Some(Leader {
+            sends: Arc::clone(self),
+            key: key.key,
+            answer,
+        }))
+    }
+
+    /// Sends in flight that copies could join.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl Leader {
+    /// Give every joined copy this answer.
+    pub fn answer(self, answer: &Result<Ack, Error>) {
+        // Out of the map first: a copy arriving from now on is a resend of
+        // an answered send, and goes through (the window answers it).
+        self.sends.lock().remove(&self.key);
+        self.answer.send_replace(Some(answer.clone()));
+    }
+}
+
+impl Drop for Leader {
+    fn drop(&mut self) {
+        let mut sends = self.sends.lock();
+        // Only our own entry: after `answer` another leader may hold the key.
+        if sends
+            .get(&self.key)
+            .is_some_and(|entry| entry.answer.same_channel(&self.answer.subscribe()))
+        {
+            sends.remove(&self.key);
+        }
+    }
+}
+
+impl Follower {
+    /// The first copy's answer.
+    pub async fn answer(mut self) -> Result<Ack, Error> {
+        match self.answer.wait_for(Option::is_some).await {
+            Ok(answer) => answer.clone().unwrap_or_else(|| Err(resend())),
+            Err(_) => Err(resend()),
+        }
+    }
+}
+
+fn resend() -> Error {
+    Error::unavailable("the first copy of this send was not answered; resend with the same id")
+}
+
+#[cfg(test)]
+mod tests {
+    use imdedup_core::model::{ClientMsgId, Outcome, Receipt};
+
+    use super::*;
+
+    fn ack() -> Ack {
+        Ack {
+            client_msg_id: ClientMsgId::parse(b"m-1".to_vec()).unwrap(),
+            receipt: Receipt {
+                server_id: 7,
+                seq: 3,
+            },
+            outcome: Outcome::Stored,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_copy_in_flight_gets_the_first_ones_answer() {
+        let sends = InFlightSends::new();
+        let key = sends.key("ana", b"m-1", "dm:ana:ben", "hi");
+        let leader = sends.lead(key).ok().flatten().unwrap();
+        let copy = sends.join(key).expect("joins the send in flight");
+        let racing = sends.lead(key).err().expect("a second lead joins instead");
+        leader.answer(&Ok(ack()));
+        assert_eq!(copy.answer().await.unwrap(), ack());
+        assert_eq!(racing.answer().await.unwrap(), ack());
+        assert!(sends.is_empty(), "an answered send is no longer joinable");
+        assert!(sends.join(key).is_none());
+    }
+
+    #[tokio::test]
+    async fn other_content_under_the_same_id_does_not_join() {
+        let sends = InFlightSends::new();
+        let first = sends.key("ana", b"m-1", "dm:ana:ben", "hi");
+        let _leader = sends.lead(first).ok().flatten().unwrap();
+        for other in [
+            sends.key("ana", b"m-1", "dm:ana:ben", "bye"),
+            sends.key("ana", b"m-1", "dm:ana:carl", "hi"),
+            sends.key("ben", b"m-1", "dm:ana:ben", "hi"),
+        ] {
+            assert!(sends.join(other).is_none());
+        }
+        let reused = sends.key("ana", b"m-1", "dm:ana:ben", "bye");
+        assert!(
+            matches!(sends.lead(reused), Ok(None)),
+            "goes through on its own, not joinable"
+        );
+    }
+
+    #[tokio::test]
+    async fn copies_of_a_send_that_ended_unanswered_are_told_to_resend() {
+        let sends = InFlightSends::new();
+        let key = sends.key("ana", b"m-1", "dm:ana:ben", "hi");
+        let leader = sends.lead(key).ok().flatten().unwrap();
+        let copy = sends.join(key).unwrap();
+        drop(leader);
+        let error = copy.answer().await.unwrap_err();
+        assert!(error.retryable());
+        assert!(sends.is_empty());
+    }
+}
