@@ -267,6 +267,8 @@ async fn run_business(args: BusinessArgs) -> anyhow::Result<()> {
 }
 
 async fn run_overload(args: OverloadArgs) -> anyhow::Result<()> {
+    // The services' CPU per ACK at the highest sustained rate.
+    let mut at_capacity_us = None;
     let capacity = match args.capacity {
         Some(capacity) => capacity,
         None => {
@@ -290,6 +292,14 @@ async fn run_overload(args: OverloadArgs) -> anyhow::Result<()> {
                     print!("{}", outcome.report.render());
                     anyhow::bail!("the audit failed during the capacity search");
                 }
+                if step.sustained && search.sustained.is_none_or(|s| rate > s) {
+                    at_capacity_us = outcome
+                        .report
+                        .cpu
+                        .iter()
+                        .find(|p| p.name == "services")
+                        .map(|p| p.us_per_message);
+                }
                 search.record(step);
             }
             print!("{}", search.render());
@@ -312,7 +322,9 @@ async fn run_overload(args: OverloadArgs) -> anyhow::Result<()> {
         .seconds
         .as_ref()
         .ok_or_else(|| anyhow::anyhow!("the run recorded no seconds"))?;
-    let figures = imdedup_loadtest::overload::Figures::new(capacity, &schedule, recorded, give_up);
+    let mut figures =
+        imdedup_loadtest::overload::Figures::new(capacity, &schedule, recorded, give_up);
+    figures.services_us_at_capacity = at_capacity_us;
     print!("{}", outcome.report.render());
     if let Some(path) = &args.common.json {
         std::fs::write(path, serde_json::to_vec_pretty(&figures)?)?;

@@ -107,8 +107,8 @@ pub struct PhaseFigures {
     pub rate: f64,
     pub messages: u64,
     /// The lowest goodput of any second after the phase's first two, as a
-    /// fraction of the capacity.
-    pub min_goodput: f64,
+    /// fraction of the capacity (phases of more than two seconds).
+    pub min_goodput: Option<f64>,
     pub tries_per_message: f64,
     pub gave_up: u64,
     /// Services' CPU per message acknowledged during the phase, in µs.
@@ -130,6 +130,9 @@ pub struct Figures {
     /// Messages of the 3x surge that no schedule could have served within
     /// the phones' give-up time at the capacity.
     pub surge_infeasible: u64,
+    /// The services' CPU per ACK at the capacity, from the search's last
+    /// sustained step (with `--admin`).
+    pub services_us_at_capacity: Option<f64>,
 }
 
 /// p99 of `latencies` in ms, `None` counting as infinite.
@@ -216,8 +219,7 @@ impl Figures {
             let min_goodput = seconds
                 .get(first + 2..last)
                 .and_then(|s| s.iter().map(|s| s.goodput).min())
-                .unwrap_or(0) as f64
-                / capacity;
+                .map(|g| g as f64 / capacity);
             let messages = of_phase.len() as u64;
             let tries: u64 = of_phase.iter().map(|m| u64::from(m.tries)).sum();
             let gave_up = of_phase.iter().filter(|m| m.latency.is_none()).count() as u64;
@@ -274,6 +276,7 @@ impl Figures {
             seconds,
             phases,
             surge_infeasible,
+            services_us_at_capacity: None,
         }
     }
 
@@ -310,15 +313,24 @@ impl Figures {
                 .recovered_after_s
                 .map(|s| format!(", p99 back within {:.0} ms after {s:.0} s", recovered_bound(self.base_p99_ms)))
                 .unwrap_or_default();
+            let goodput = p
+                .min_goodput
+                .map(|g| format!(", lowest goodput {:.0}% of C", g * 100.0))
+                .unwrap_or_default();
             let _ = writeln!(
                 out,
-                "overload: phase {:<11} {:>7.0}/s, {} messages, lowest goodput {:.0}% of C, tries {:.2}, gave up {}{cpu}{driver}{recovered}",
-                p.name,
-                p.rate,
-                p.messages,
-                p.min_goodput * 100.0,
-                p.tries_per_message,
-                p.gave_up
+                "overload: phase {:<11} {:>7.0}/s, {} messages{goodput}, tries {:.2}, gave up {}{cpu}{driver}{recovered}",
+                p.name, p.rate, p.messages, p.tries_per_message, p.gave_up
+            );
+        }
+        if let (Some(at_c), Some(surge)) = (
+            self.services_us_at_capacity,
+            self.phase("3x").and_then(|p| p.services_us),
+        ) {
+            let _ = writeln!(
+                out,
+                "overload: services CPU per ACK {surge:.0} µs at 3x, {at_c:.0} µs at C (the capacity search): {:.2}x",
+                surge / at_c
             );
         }
         let _ = writeln!(
@@ -327,8 +339,13 @@ impl Figures {
             self.base_p99_ms, self.surge_infeasible
         );
         let at = |name: &str| {
-            self.phase(name)
-                .map_or((0.0, 0.0, 0), |p| (p.min_goodput * 100.0, p.tries_per_message, p.gave_up))
+            self.phase(name).map_or((0.0, 0.0, 0), |p| {
+                (
+                    p.min_goodput.unwrap_or(0.0) * 100.0,
+                    p.tries_per_message,
+                    p.gave_up,
+                )
+            })
         };
         let (g1, t1, f1) = at("1.5x");
         let (g3, t3, f3) = at("3x");
@@ -392,7 +409,8 @@ mod tests {
         assert_eq!(surge.gave_up, 0);
         // Seconds 3 and 4 of the run (the surge's third and fourth) carry
         // ACKs of messages due 1.5 s earlier: 150 a second.
-        assert!((surge.min_goodput - 1.5).abs() < 1e-9, "{}", surge.min_goodput);
+        assert_eq!(surge.min_goodput, Some(1.5));
+        assert_eq!(figures.phase("base").unwrap().min_goodput, None);
         assert_eq!(figures.phase("3x").unwrap().gave_up, 1);
         let after = figures.phase("after 1.5x").unwrap();
         assert_eq!(after.recovered_after_s, Some(0.0));

@@ -278,11 +278,24 @@ impl State {
             self.in_flight += 1;
             return Ok(());
         }
-        if let Some(slot) = appointment.filter(|slot| *slot > now + EARLY) {
+        match appointment {
             // Early: the same appointment.
-            return Err(Refusal::Appointment {
-                retry_after: (slot - now).max(MIN_WAIT),
-            });
+            Some(slot) if slot > now + EARLY => {
+                return Err(Refusal::Appointment {
+                    retry_after: (slot - now).max(MIN_WAIT),
+                });
+            }
+            // On time, but the gateway is far over its limit: it keeps its
+            // place at the front, one round trip on, rather than joining
+            // the end of the queue.
+            Some(_) => {
+                let wait = Duration::from_secs_f64(self.latency)
+                    .mul_f64(rng.random_range(1.0..=1.5))
+                    .max(MIN_WAIT);
+                self.book.insert(key, now + wait);
+                return Err(Refusal::Appointment { retry_after: wait });
+            }
+            None => {}
         }
         self.sweep(now);
         // The next appointment, one send's time after the last one.
@@ -474,6 +487,28 @@ mod tests {
         door.admit(100, back).unwrap();
         assert_eq!(door.state.in_flight, 4);
         assert!(door.state.book.get(&100).is_none(), "an appointment is used once");
+    }
+
+    #[test]
+    fn a_phone_on_time_but_refused_keeps_its_place_at_the_front() {
+        let now = Instant::now();
+        let mut door = Door::new(options(2), now);
+        door.state.latency = 0.1;
+        door.admit(0, now).unwrap();
+        door.admit(1, now).unwrap();
+        let back = now + wait(door.admit(2, now));
+        for key in 3..50 {
+            let _ = door.admit(key, now);
+        }
+        // Far over the limit when it comes back (twice the limit in flight).
+        door.state.in_flight = 4;
+        let again = wait(door.admit(2, back));
+        assert!(
+            again <= Duration::from_millis(150),
+            "a round trip on, not behind the 47 booked after it: {again:?}"
+        );
+        door.state.in_flight = 3;
+        door.admit(2, back + again).unwrap();
     }
 
     #[test]
