@@ -230,7 +230,8 @@ echo 1 >/proc/sys/net/bridge/bridge-nf-call-iptables 2>/dev/null || info "bridge
 # forwarding only between the bridge's ports; 198.18/15 only from the bridge and loopback
 iptables -N IMDK-FWD && iptables -A IMDK-FWD -i "$BR" ! -o "$BR" -j DROP && iptables -A IMDK-FWD ! -i "$BR" -o "$BR" -j DROP \
   && iptables -I FORWARD 1 -j IMDK-FWD \
-  && iptables -N IMDK-IN && iptables -A IMDK-IN -d 198.18.0.0/15 ! -i "$BR" ! -i lo -j DROP && iptables -I INPUT 1 -j IMDK-IN \
+  && iptables -N IMDK-IN && iptables -A IMDK-IN -i lo -j RETURN && iptables -A IMDK-IN -i "$BR" -j RETURN \
+  && iptables -A IMDK-IN -d 198.18.0.0/15 -j DROP && iptables -I INPUT 1 -j IMDK-IN \
   || die "iptables chains IMDK-FWD, IMDK-IN"
 pass "bridge $BR $NODE_IP/24 (pods $POD_CIDR, Services $SVC_CIDR), forwarding confined to it"
 
@@ -770,10 +771,11 @@ EOF
   pods_settled >"$S/logs/settle-$name.log" 2>&1 || { chart_state "$S/logs/settle-$name.txt"; fail "after $name: pods did not settle" "$S/logs/settle-$name.txt"; }
 }
 helm_upgrade() { "$HELM" upgrade "$REL" "$ROOT/k8s/imdedup" -n "$NS" -f "$S/values.yaml" --wait --timeout 6m "$@"; }
-act_upgrade() { helm_upgrade --set image.tag="$TAG_B" && K -n "$NS" get pods -o custom-columns=POD:.metadata.name,IMAGE:.spec.containers[0].image --no-headers; }
+CUR_TAG=$TAG_A
+act_upgrade() { helm_upgrade --set image.tag="$TAG_B" && CUR_TAG=$TAG_B && K -n "$NS" get pods -o custom-columns=POD:.metadata.name,IMAGE:.spec.containers[0].image --no-headers; }
 act_scale() {
-  helm_upgrade --set image.tag="$TAG_B" --set ingest.replicas=3 && K -n "$NS" get pods --no-headers && sleep 20 \
-    && helm_upgrade --set image.tag="$TAG_B" --set ingest.replicas=2 && K -n "$NS" get pods --no-headers
+  helm_upgrade --set image.tag="$CUR_TAG" --set ingest.replicas=3 && K -n "$NS" get pods --no-headers && sleep 20 \
+    && helm_upgrade --set image.tag="$CUR_TAG" --set ingest.replicas=2 && K -n "$NS" get pods --no-headers
 }
 act_delete() {
   local gw; gw="$(K -n "$NS" get pods -l app.kubernetes.io/component=gateway -o jsonpath='{.items[0].metadata.name}')"
