@@ -599,15 +599,30 @@ spec:
   containers:
   - {name: c, image: $BUSYBOX_IMAGE, imagePullPolicy: Never, command: ["/bin/busybox", "sleep", "3600"]}
 EOF
+# (busybox-static's wget segfaults in this sandbox, on the host too; its nc works: HTTP by hand)
+http_get() { # pod-or-"host", host, port: prints the body of GET /index.html
+  if [ "$1" = host ]; then curl -fsS -m 5 "http://$2:$3/index.html"
+  else printf 'GET /index.html HTTP/1.0\r\nHost: %s\r\n\r\n' "$2" | K -n e2e-probe exec -i "$1" -- busybox nc -w 5 "$2" "$3"; fi
+}
+got_hello() { http_get "$@" 2>&1 | grep -q hello-from-web; }
 if K -n e2e-probe wait --for=condition=Ready pod/web pod/client --timeout=90s >"$S/logs/probe.log" 2>&1; then
   WEB_IP="$(K -n e2e-probe get pod web -o jsonpath='{.status.podIP}')"
-  K -n e2e-probe exec client -- busybox wget -q -T 5 -O - "http://$WEB_IP:8080/index.html" 2>&1 | grep -q hello-from-web \
-    && pass "level 1: pod -> pod over the bridge ($WEB_IP:8080), readiness probe from the kubelet passed" || fail "pod -> pod ($WEB_IP:8080)"
-  K -n e2e-probe exec client -- busybox wget -q -T 5 -O - "http://web.e2e-probe.svc.cluster.local/index.html" >"$S/logs/svc.txt" 2>&1 \
-    && grep -q hello-from-web "$S/logs/svc.txt" && pass "level 2: pod -> ClusterIP by its DNS name web.e2e-probe.svc.cluster.local (CoreDNS + kube-proxy)" \
-    || { K -n e2e-probe exec client -- busybox nslookup web.e2e-probe.svc.cluster.local >>"$S/logs/svc.txt" 2>&1; fail "pod -> Service by name" "$S/logs/svc.txt"; }
-  curl -fsS -m 5 "http://$NODE_IP:30080/index.html" 2>&1 | grep -q hello-from-web \
-    && pass "level 2: host -> NodePort $NODE_IP:30080" || fail "host -> NodePort $NODE_IP:30080"
+  wait_for 20 "" got_hello client "$WEB_IP" 8080 \
+    && pass "level 1: pod -> pod over the bridge ($WEB_IP:8080); the kubelet's HTTP readiness probe on the pod IP passed" \
+    || { http_get client "$WEB_IP" 8080 >"$S/logs/pod2pod.txt" 2>&1; fail "pod -> pod ($WEB_IP:8080)" "$S/logs/pod2pod.txt"; }
+  if wait_for 30 "" got_hello client web.e2e-probe.svc.cluster.local 80; then
+    pass "level 2: pod -> ClusterIP $(K -n e2e-probe get svc web -o jsonpath='{.spec.clusterIP}') by its name web.e2e-probe.svc.cluster.local (CoreDNS + kube-proxy)"
+  else
+    { http_get client web.e2e-probe.svc.cluster.local 80; K -n e2e-probe exec client -- busybox nslookup web.e2e-probe.svc.cluster.local; } >"$S/logs/svc.txt" 2>&1
+    fail "pod -> Service by name" "$S/logs/svc.txt"
+  fi
+  wait_for 30 "" got_hello client "$(K -n e2e-probe get pod client -o jsonpath='{.status.hostIP}')" 30080 \
+    && pass "level 2: pod -> NodePort on the node ($NODE_IP:30080)" || fail "pod -> NodePort $NODE_IP:30080"
+  if wait_for 30 "" got_hello host "$NODE_IP" 30080; then pass "level 2: host -> NodePort $NODE_IP:30080"
+  else { curl -sS -m 5 -v "http://$NODE_IP:30080/index.html"; iptables-save -t nat | grep -E '30080|KUBE-NODEPORTS' | head; } >"$S/logs/nodeport.txt" 2>&1; fail "host -> NodePort $NODE_IP:30080" "$S/logs/nodeport.txt"; fi
+  # a hairpin: the web pod reaching itself through its own Service
+  wait_for 20 "" got_hello web web.e2e-probe.svc.cluster.local 80 \
+    && pass "level 2: hairpin (web -> its own Service)" || fail "hairpin: web -> web.e2e-probe.svc.cluster.local"
 else
   { K -n e2e-probe get pods -o wide; K -n e2e-probe describe pods | sed -n '/^Events:/,$p'; } >>"$S/logs/probe.log" 2>&1
   fail "probe pods Ready" "$S/logs/probe.log"
@@ -714,7 +729,7 @@ fi
 K -n "$NS" get pods -o wide | sed 's/^/INFO    /'
 K -n "$NS" get pvc -o custom-columns=PVC:.metadata.name,STATUS:.status.phase,VOLUME:.spec.volumeName --no-headers | sed 's/^/INFO    pvc /'
 # NetworkPolicy: the bridge plugin has no policy engine; show one the chart renders and that is not enforced
-K -n e2e-probe exec client -- busybox nc -z -w 3 "$REL-storage.$NS.svc.cluster.local" 7300 >/dev/null 2>&1 \
+echo | K -n e2e-probe exec -i client -- busybox nc -w 3 "$REL-storage.$NS.svc.cluster.local" 7300 >/dev/null 2>&1 \
   && info "NetworkPolicy $REL-storage (gRPC port only from ingest and gateway pods) NOT enforced: a pod in namespace e2e-probe connected to $REL-storage:7300 (the bridge CNI plugin enforces no NetworkPolicy)" \
   || info "a pod in e2e-probe could not connect to $REL-storage:7300"
 READY=1
