@@ -801,10 +801,10 @@ T_SCEN=$(date +%s)
 for sc in $SCENARIOS; do
   case "$sc" in
     steady)  scenario steady "$STEADY_SECONDS" "" ;;
-    upgrade) scenario upgrade 240 act_upgrade ;;
-    scale)   scenario scale 420 act_scale ;;
-    delete)  scenario delete 150 act_delete ;;
-    redis)   scenario redis 90 act_redis ;;
+    upgrade) scenario upgrade 120 act_upgrade ;;
+    scale)   scenario scale 240 act_scale ;;
+    delete)  scenario delete 90 act_delete ;;
+    redis)   scenario redis 75 act_redis ;;
     *) echo "unknown scenario $sc" >&2 ;;
   esac
 done
