@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds real Kubernetes binaries (kube-apiserver, kubectl and, with --all, kube-controller-manager,
-# kube-scheduler, kubelet) from the k8s.io/kubernetes Go module into a cache dir, and installs
-# etcd-server from apt if etcd is missing.
+# kube-scheduler, kubelet; kube-proxy on request) from the k8s.io/kubernetes Go module into a cache
+# dir, CoreDNS (`coredns`) from its own Go module, and installs etcd-server from apt if etcd is missing.
 #
 # `go install k8s.io/kubernetes/cmd/...@vX` refuses because k8s.io/kubernetes' go.mod replaces its
 # k8s.io/* staging modules with ./staging paths. So we build from a small wrapper module whose go.mod
@@ -9,14 +9,21 @@
 #
 # Idempotent: a component is skipped when its binary exists with a stamp matching KUBE_VERSION.
 #
+# CoreDNS: a small main package that imports coremain and only the plugins a cluster DNS uses
+# (kubernetes, cache, errors, log, health, ready, reload, loadbalance, hosts, template), so the
+# cloud-provider SDKs of the stock build are not compiled; a static binary (CGO_ENABLED=0).
+#
 # Usage: deploy/k8s/kube/build.sh [--all | component...]
 #   default components: kube-apiserver kubectl
 #   --all: also kube-controller-manager kube-scheduler kubelet
-# Env: KUBE_VERSION (default below), IMDEDUP_KUBE_CACHE (default ~/.cache/imdedup/kube)
+#   components: the above, kube-proxy, coredns
+# Env: KUBE_VERSION (default below), COREDNS_VERSION (default below),
+#      IMDEDUP_KUBE_CACHE (default ~/.cache/imdedup/kube)
 # Prints the bin dir on the last line of stdout.
 set -euo pipefail
 
 KUBE_VERSION="${KUBE_VERSION:-v1.37.2}"
+COREDNS_VERSION="${COREDNS_VERSION:-v1.15.0}"
 ETCD_APT_PACKAGE="${ETCD_APT_PACKAGE:-etcd-server}"
 CACHE="${IMDEDUP_KUBE_CACHE:-$HOME/.cache/imdedup/kube}"
 BIN="$CACHE/bin"
@@ -28,8 +35,8 @@ components=()
 for a in "$@"; do
   case "$a" in
     --all) components+=(kube-apiserver kubectl kube-controller-manager kube-scheduler kubelet) ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
-    kube-apiserver|kubectl|kube-controller-manager|kube-scheduler|kubelet|kube-proxy) components+=("$a") ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    kube-apiserver|kubectl|kube-controller-manager|kube-scheduler|kubelet|kube-proxy|coredns) components+=("$a") ;;
     *) echo "unknown argument: $a" >&2; exit 2 ;;
   esac
 done
@@ -48,16 +55,65 @@ log "etcd: $(etcd --version 2>/dev/null | head -1)"
 # --- what needs building ------------------------------------------------------------------------
 mkdir -p "$BIN"
 todo=()
+want_coredns=0
 for c in "${components[@]}"; do
-  if [ -x "$BIN/$c" ] && [ "$(cat "$BIN/.$c.version" 2>/dev/null)" = "$KUBE_VERSION" ]; then
+  if [ "$c" = coredns ]; then
+    if [ -x "$BIN/coredns" ] && [ "$(cat "$BIN/.coredns.version" 2>/dev/null)" = "$COREDNS_VERSION" ]; then
+      log "coredns $COREDNS_VERSION already built, skipping"
+    else
+      want_coredns=1
+    fi
+  elif [ -x "$BIN/$c" ] && [ "$(cat "$BIN/.$c.version" 2>/dev/null)" = "$KUBE_VERSION" ]; then
     log "$c $KUBE_VERSION already built, skipping"
   else
     todo+=("$c")
   fi
 done
-if [ ${#todo[@]} -eq 0 ]; then echo "$BIN"; exit 0; fi
+if [ ${#todo[@]} -eq 0 ] && [ "$want_coredns" = 0 ]; then echo "$BIN"; exit 0; fi
 
 command -v go >/dev/null 2>&1 || { echo "go not found in PATH" >&2; exit 1; }
+
+# --- CoreDNS --------------------------------------------------------------------------------------
+if [ "$want_coredns" = 1 ]; then
+  csrc="$CACHE/src/coredns-$COREDNS_VERSION"
+  mkdir -p "$csrc"
+  if [ ! -f "$csrc/.ready" ]; then
+    cgomod="$(cd "$csrc" && GOFLAGS=-mod=mod go mod download -json "github.com/coredns/coredns@$COREDNS_VERSION" \
+             | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",\{0,1\}$/\1/p')"
+    [ -f "$cgomod" ] || { echo "could not find go.mod of github.com/coredns/coredns@$COREDNS_VERSION" >&2; exit 1; }
+    {
+      echo "module imdedup.local/coredns"
+      echo
+      echo "go $(awk '$1=="go"{print $2; exit}' "$cgomod")"
+      echo
+      echo "require github.com/coredns/coredns $COREDNS_VERSION"
+    } >"$csrc/go.mod"
+    {
+      echo "// CoreDNS with the plugins a cluster DNS needs (the directive order stays CoreDNS's own)."
+      echo "package main"
+      echo
+      echo "import ("
+      echo "	\"github.com/coredns/coredns/coremain\""
+      for p in kubernetes cache errors log health ready reload loadbalance hosts template; do
+        echo "	_ \"github.com/coredns/coredns/plugin/$p\""
+      done
+      echo ")"
+      echo
+      echo "func main() { coremain.Run() }"
+    } >"$csrc/main.go"
+    log "resolving CoreDNS $COREDNS_VERSION dependencies"
+    (cd "$csrc" && GOFLAGS=-mod=mod go mod tidy >&2)
+    touch "$csrc/.ready"
+  fi
+  log "building coredns $COREDNS_VERSION"
+  start=$(date +%s)
+  (cd "$csrc" && CGO_ENABLED=0 go build -trimpath -ldflags "-s -w -X github.com/coredns/coredns/coremain.GitCommit=$COREDNS_VERSION" \
+      -o "$BIN/coredns.tmp" . >&2)
+  mv -f "$BIN/coredns.tmp" "$BIN/coredns"
+  echo "$COREDNS_VERSION" >"$BIN/.coredns.version"
+  log "built coredns in $(( $(date +%s) - start ))s"
+  if [ ${#todo[@]} -eq 0 ]; then echo "$BIN"; exit 0; fi
+fi
 
 # --- wrapper module -----------------------------------------------------------------------------
 staging_version="v0.${KUBE_VERSION#v1.}"          # v1.37.2 -> v0.37.2
@@ -91,7 +147,7 @@ if [ ! -f "$SRC/.ready" ]; then
     echo "package tools"
     echo
     echo "import ("
-    for c in kube-apiserver kubectl kube-controller-manager kube-scheduler kubelet; do
+    for c in kube-apiserver kubectl kube-controller-manager kube-scheduler kubelet kube-proxy; do
       echo "	_ \"k8s.io/kubernetes/cmd/$c\""
     done
     echo ")"
@@ -113,7 +169,8 @@ for c in "${todo[@]}"; do
   log "building $c $KUBE_VERSION (cold, on 2 busy cores: kube-apiserver ~15 min, kubelet ~20 min)"
   start=$(date +%s)
   cgo=0; [ "$c" = kubelet ] && cgo=1      # upstream builds kubelet with cgo, the rest static
-  (cd "$SRC" && CGO_ENABLED=$cgo go build -trimpath -ldflags "$ldflags" \
+  # -mod=mod: a wrapper made before a component was added to tools.go gets its go.sum entries now
+  (cd "$SRC" && CGO_ENABLED=$cgo GOFLAGS=-mod=mod go build -trimpath -ldflags "$ldflags" \
       -o "$BIN/$c.tmp" "k8s.io/kubernetes/cmd/$c" >&2)
   mv -f "$BIN/$c.tmp" "$BIN/$c"
   echo "$KUBE_VERSION" > "$BIN/.$c.version"

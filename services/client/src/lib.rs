@@ -111,6 +111,9 @@ type Waiter = oneshot::Sender<Reply>;
 struct Pending {
     sends: HashMap<Vec<u8>, VecDeque<Waiter>>,
     pulls: HashMap<String, Waiter>,
+    /// Set by the reader when the connection is gone: a waiter added after
+    /// that would never be woken and would sit out the whole reply timeout.
+    gone: bool,
 }
 
 /// How the gateway closed a connection: the WebSocket close code (1001 going
@@ -215,6 +218,7 @@ impl Client {
             }
             // Wake every waiter: the connection is gone.
             if let Ok(mut p) = reader_pending.lock() {
+                p.gone = true;
                 p.sends.clear();
                 p.pulls.clear();
             }
@@ -312,11 +316,13 @@ impl Client {
             })),
         };
         let (tx, rx) = oneshot::channel();
-        self.lock()
-            .sends
-            .entry(id.to_vec())
-            .or_default()
-            .push_back(tx);
+        {
+            let mut pending = self.lock();
+            if pending.gone {
+                return Err(ClientError::Closed);
+            }
+            pending.sends.entry(id.to_vec()).or_default().push_back(tx);
+        }
         let slot = self.out.reserve().await.map_err(|_| ClientError::Closed)?;
         let mut sent = self
             .sent_frames
@@ -361,7 +367,13 @@ impl Client {
             })),
         };
         let (tx, rx) = oneshot::channel();
-        self.lock().pulls.insert(reference, tx);
+        {
+            let mut pending = self.lock();
+            if pending.gone {
+                return Err(ClientError::Closed);
+            }
+            pending.pulls.insert(reference, tx);
+        }
         self.out
             .send(frame)
             .await
@@ -595,3 +607,41 @@ fn parse_protobuf(bytes: &[u8]) -> Option<Reply> {
 }
 
 pub use tokio_tungstenite::tungstenite::Message as RawMessage;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A gateway that accepts the WebSocket and closes it at once, as a
+    /// gateway shutting down does ("going away").
+    async fn closing_gateway() -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (tcp, _) = listener.accept().await.unwrap();
+            let mut socket = tokio_tungstenite::accept_async(tcp).await.unwrap();
+            let _ = socket.close(None).await;
+            // keep the TCP connection open, as a gateway still draining does
+            tokio::time::sleep(std::time::Duration::from_secs(30)).await;
+        });
+        format!("ws://{addr}/v1/ws")
+    }
+
+    #[tokio::test]
+    async fn a_send_after_the_gateway_closed_the_connection_fails_at_once() {
+        let url = closing_gateway().await;
+        let client = Client::connect(&url, "token", Encoding::Json)
+            .await
+            .unwrap()
+            .with_reply_timeout(std::time::Duration::from_secs(20));
+        client.closed().await;
+        // Before the fix this send waited out the whole reply timeout: its
+        // waiter was added after the reader had woken every waiter.
+        let started = std::time::Instant::now();
+        let sent = client.send(b"m1", "dm:a:b", "hi").await;
+        assert!(matches!(sent, Err(ClientError::Closed)), "{sent:?}");
+        let pulled = client.history("dm:a:b", 0, 10).await;
+        assert!(matches!(pulled, Err(ClientError::Closed)), "{pulled:?}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    }
+}
