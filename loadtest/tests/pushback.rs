@@ -10,7 +10,7 @@ use imdedup_cluster::{ClusterOptions, LocalCluster};
 use imdedup_core::clock::SystemClock;
 use imdedup_loadtest::{
     link::Link,
-    phone::{Fate, Outgoing, ResendPolicy, deliver},
+    phone::{Fate, Outgoing, ResendPolicy, TryCounts, deliver},
 };
 use tokio::time::Instant;
 
@@ -55,7 +55,8 @@ async fn a_phone_told_to_wait_keeps_its_schedule_and_its_message_is_stored() {
                 conversation: "dm:ana:ben",
                 body: "hello",
             };
-            deliver(&link, message, due, &offsets, &fates, policy.give_up).await
+            let counts = TryCounts::new(due, 60);
+            deliver(&link, message, due, &offsets, &fates, policy.give_up, &counts).await
         })
     });
     let traces = futures_util::future::join_all(sends).await;
