@@ -38,6 +38,7 @@ fn book(messages: u64) -> LoadConfig {
         followers: true,
         encoding: Encoding::Json,
         admin: Vec::new(),
+        schedule: Vec::new(),
     }
 }
 
