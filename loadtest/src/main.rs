@@ -282,11 +282,16 @@ async fn run_overload(args: OverloadArgs) -> anyhow::Result<()> {
                 let mut config = load_config("steady", &args.common, Some(rate))?;
                 config.users = users_for(rate).max(args.common.users);
                 let outcome = run(config).await?;
-                let step = Step::judge(&outcome.report, outcome.audit.passed(), search.p99_bound_ms);
+                let step =
+                    Step::judge(&outcome.report, outcome.audit.passed(), search.p99_bound_ms);
                 eprintln!(
                     "overload: capacity search {rate:.0}/s -> p99 {:.0} ms, {}",
                     step.p99_ms,
-                    if step.sustained { "sustained" } else { "not sustained" }
+                    if step.sustained {
+                        "sustained"
+                    } else {
+                        "not sustained"
+                    }
                 );
                 if !step.audit_passed {
                     print!("{}", outcome.report.render());

@@ -152,12 +152,7 @@ fn recovered_bound(base_p99_ms: f64) -> f64 {
 }
 
 impl Figures {
-    pub fn new(
-        capacity: f64,
-        schedule: &[Phase],
-        recorded: &Recorded,
-        give_up: Duration,
-    ) -> Self {
+    pub fn new(capacity: f64, schedule: &[Phase], recorded: &Recorded, give_up: Duration) -> Self {
         let end = recorded
             .messages
             .iter()
@@ -209,8 +204,7 @@ impl Figures {
                 .iter()
                 .filter(|m| m.due >= start && m.due < stop)
                 .collect();
-            let mut latencies: Vec<Option<Duration>> =
-                of_phase.iter().map(|m| m.latency).collect();
+            let mut latencies: Vec<Option<Duration>> = of_phase.iter().map(|m| m.latency).collect();
             let p99 = p99_ms(&mut latencies);
             if phase.name == "base" {
                 base_p99_ms = p99;
@@ -260,16 +254,13 @@ impl Figures {
         // At the 3x surge, FIFO at capacity serves a message due at t into
         // the surge at about t + (backlog)/C; past the give-up time nothing
         // can serve it: what arrives after t = give_up / (rate/C - 1).
-        let surge_infeasible = schedule
-            .iter()
-            .position(|p| p.name == "3x")
-            .map_or(0, |i| {
-                let phase = &schedule[i];
-                let over = phase.rate / capacity - 1.0;
-                let feasible = (give_up.as_secs_f64() / over.max(1e-9))
-                    .min(phase.duration.as_secs_f64());
-                ((phase.duration.as_secs_f64() - feasible) * phase.rate).max(0.0) as u64
-            });
+        let surge_infeasible = schedule.iter().position(|p| p.name == "3x").map_or(0, |i| {
+            let phase = &schedule[i];
+            let over = phase.rate / capacity - 1.0;
+            let feasible =
+                (give_up.as_secs_f64() / over.max(1e-9)).min(phase.duration.as_secs_f64());
+            ((phase.duration.as_secs_f64() - feasible) * phase.rate).max(0.0) as u64
+        });
         Self {
             capacity,
             base_p99_ms,
@@ -311,7 +302,12 @@ impl Figures {
                 .unwrap_or_default();
             let recovered = p
                 .recovered_after_s
-                .map(|s| format!(", p99 back within {:.0} ms after {s:.0} s", recovered_bound(self.base_p99_ms)))
+                .map(|s| {
+                    format!(
+                        ", p99 back within {:.0} ms after {s:.0} s",
+                        recovered_bound(self.base_p99_ms)
+                    )
+                })
                 .unwrap_or_default();
             let goodput = p
                 .min_goodput

@@ -254,7 +254,11 @@ fn check(config: &LoadConfig) -> anyhow::Result<()> {
             bail!("--{name} must be between 0 and 1, got {p}");
         }
     }
-    if config.schedule.iter().any(|p| !(p.rate > 0.0 && p.rate.is_finite())) {
+    if config
+        .schedule
+        .iter()
+        .any(|p| !(p.rate > 0.0 && p.rate.is_finite()))
+    {
         bail!("every phase needs a positive rate");
     }
     if !(config.rate > 0.0 && config.rate.is_finite()) {

@@ -56,7 +56,16 @@ async fn a_phone_told_to_wait_keeps_its_schedule_and_its_message_is_stored() {
                 body: "hello",
             };
             let counts = TryCounts::new(due, 60);
-            deliver(&link, message, due, &offsets, &fates, policy.give_up, &counts).await
+            deliver(
+                &link,
+                message,
+                due,
+                &offsets,
+                &fates,
+                policy.give_up,
+                &counts,
+            )
+            .await
         })
     });
     let traces = futures_util::future::join_all(sends).await;

@@ -95,7 +95,10 @@ async fn the_gateway_sheds_sends_beyond_its_in_flight_cap_and_a_resend_is_stored
     // spread out, not sent back together.
     let waits: Vec<Duration> = shed.iter().map(|e| e.retry_after.unwrap()).collect();
     assert!(waits.windows(2).all(|w| w[0] <= w[1]), "{waits:?}");
-    assert!(waits.first() < waits.last() || waits.len() == 1, "{waits:?}");
+    assert!(
+        waits.first() < waits.last() || waits.len() == 1,
+        "{waits:?}"
+    );
     let stored = replies.len() - shed.len();
     assert_eq!(common::rows(&ana, DM).await.len(), stored);
     // The phone resends what was shed, one at a time: all stored, once.
@@ -126,7 +129,10 @@ async fn a_resend_of_a_send_in_flight_joins_it_and_gets_the_same_ack() {
         .into_iter()
         .map(|r| r.expect("an ACK"))
         .collect();
-    assert!(acks.iter().all(|a| a.server_id == acks[0].server_id && a.seq == acks[0].seq));
+    assert!(
+        acks.iter()
+            .all(|a| a.server_id == acks[0].server_id && a.seq == acks[0].seq)
+    );
     let joined = common::metric(
         &cluster,
         "gateway",

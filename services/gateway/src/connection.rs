@@ -158,10 +158,13 @@ pub async fn run(
                 Ok(permit) => Ok(Work::Pull(cmd, permit)),
                 Err(_) => {
                     gateway.metrics().limited("history_pulls");
-                    Err((ReplyTo::history(&cmd), Error::overloaded(
-                        "too many history pulls in flight on this connection; pull again after the last page arrives",
-                        PULL_RETRY_AFTER,
-                    )))
+                    Err((
+                        ReplyTo::history(&cmd),
+                        Error::overloaded(
+                            "too many history pulls in flight on this connection; pull again after the last page arrives",
+                            PULL_RETRY_AFTER,
+                        ),
+                    ))
                 }
             },
         };

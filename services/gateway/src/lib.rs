@@ -21,6 +21,7 @@ use std::{
     time::Duration,
 };
 
+use admission::{Admission, AdmissionOptions, Pass};
 use axum::{
     Json, Router,
     extract::{ConnectInfo, Query, State, WebSocketUpgrade},
@@ -28,6 +29,7 @@ use axum::{
     response::{IntoResponse, Response},
     routing::{get, post},
 };
+use frames::SendCmd;
 use imdedup_core::{
     Error,
     clock::SharedClock,
@@ -40,8 +42,6 @@ use imdedup_core::{
     tls::InternalTls,
     token::TokenVerifier,
 };
-use admission::{Admission, AdmissionOptions, Pass};
-use frames::SendCmd;
 use limits::{Limits, SendRate, UserConnections};
 use listener::{Admission as ConnectionAdmission, GuardedListener};
 use resends::{Follower, InFlightSends, Leader};
@@ -114,10 +114,7 @@ pub(crate) enum AdmittedSend {
     /// A send of its own, holding a place of the admission limit; its
     /// answer goes to the copies that join it (none if another send with
     /// the same ID but other content is in flight).
-    Lead {
-        pass: Pass,
-        leader: Option<Leader>,
-    },
+    Lead { pass: Pass, leader: Option<Leader> },
 }
 
 impl Gateway {
@@ -194,15 +191,18 @@ impl Gateway {
     /// A place of the admission limit for a send of `sender` with `id`,
     /// within the user's rate; or `overloaded` with when to try again.
     pub(crate) fn admit(&self, sender: &Sender, id: &[u8]) -> Result<Pass, Error> {
-        let pass = self.admission.admit(sender.as_str(), id).map_err(|refusal| {
-            self.metrics.limited("in_flight");
-            self.metrics
-                .set_admission(self.admission.limit(), self.admission.booked());
-            Error::overloaded(
-                "the gateway is busy; not stored: resend with the same id after retry_after_ms",
-                refusal.retry_after(),
-            )
-        })?;
+        let pass = self
+            .admission
+            .admit(sender.as_str(), id)
+            .map_err(|refusal| {
+                self.metrics.limited("in_flight");
+                self.metrics
+                    .set_admission(self.admission.limit(), self.admission.booked());
+                Error::overloaded(
+                    "the gateway is busy; not stored: resend with the same id after retry_after_ms",
+                    refusal.retry_after(),
+                )
+            })?;
         if let Err(wait) = self.send_rate.check(sender) {
             self.metrics.limited("user_send_rate");
             return Err(Error::overloaded(
