@@ -287,11 +287,7 @@ async fn run_overload(args: OverloadArgs) -> anyhow::Result<()> {
                 eprintln!(
                     "overload: capacity search {rate:.0}/s -> p99 {:.0} ms, {}",
                     step.p99_ms,
-                    if step.sustained {
-                        "sustained"
-                    } else {
-                        "not sustained"
-                    }
+                    step.verdict()
                 );
                 if !step.audit_passed {
                     print!("{}", outcome.report.render());
@@ -365,11 +361,7 @@ async fn run_search(args: SearchArgs) -> anyhow::Result<()> {
         eprintln!(
             "search: {rate:.0}/s -> p99 {:.2} ms, {}",
             step.p99_ms,
-            if step.sustained {
-                "sustained"
-            } else {
-                "not sustained"
-            }
+            step.verdict()
         );
         if !step.audit_passed {
             print!("{}", outcome.report.render());

@@ -26,6 +26,15 @@ pub struct Step {
 
 impl Step {
     /// Judge a step's report against the p99 bound.
+    /// `sustained` or `not sustained`, for progress lines.
+    pub fn verdict(&self) -> &'static str {
+        if self.sustained {
+            "sustained"
+        } else {
+            "not sustained"
+        }
+    }
+
     pub fn judge(report: &Report, audit_passed: bool, p99_bound_ms: f64) -> Self {
         let failed = report.audit.failed;
         let sustained = sustains(
