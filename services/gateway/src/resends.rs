@@ -20,7 +20,10 @@ use std::{
     sync::{Arc, Mutex, PoisonError},
 };
 
-use imdedup_core::{Error, model::Ack};
+use imdedup_core::{
+    Error,
+    model::{Ack, Outcome},
+};
 use tokio::sync::watch;
 
 type Answer = Option<Result<Ack, Error>>;
@@ -153,12 +156,23 @@ impl Drop for Leader {
 }
 
 impl Follower {
-    /// The first copy's answer.
+    /// The first copy's answer, as a repeat: the same receipt, but a copy
+    /// that joined stored nothing itself, so where the first copy was
+    /// `stored` the copy is a duplicate recognised before storage (as the
+    /// recent-ID window would have recognised it a moment later). A phone
+    /// that sent two copies thus sees one `stored` ACK, like any resend.
     pub async fn answer(mut self) -> Result<Ack, Error> {
-        match self.answer.wait_for(Option::is_some).await {
+        let answer = match self.answer.wait_for(Option::is_some).await {
             Ok(answer) => answer.clone().unwrap_or_else(|| Err(resend())),
             Err(_) => Err(resend()),
-        }
+        };
+        answer.map(|ack| Ack {
+            outcome: match ack.outcome {
+                Outcome::Stored => Outcome::DuplicateWindow,
+                repeat => repeat,
+            },
+            ..ack
+        })
     }
 }
 
@@ -168,7 +182,7 @@ fn resend() -> Error {
 
 #[cfg(test)]
 mod tests {
-    use imdedup_core::model::{ClientMsgId, Outcome, Receipt};
+    use imdedup_core::model::{ClientMsgId, Receipt};
 
     use super::*;
 
@@ -191,8 +205,16 @@ mod tests {
         let copy = sends.join(key).expect("joins the send in flight");
         let racing = sends.lead(key).err().expect("a second lead joins instead");
         leader.answer(&Ok(ack()));
-        assert_eq!(copy.answer().await.unwrap(), ack());
-        assert_eq!(racing.answer().await.unwrap(), ack());
+        let repeat = Ack {
+            outcome: Outcome::DuplicateWindow,
+            ..ack()
+        };
+        assert_eq!(
+            copy.answer().await.unwrap(),
+            repeat,
+            "the same receipt; only the first copy is `stored`"
+        );
+        assert_eq!(racing.answer().await.unwrap(), repeat);
         assert!(sends.is_empty(), "an answered send is no longer joinable");
         assert!(sends.join(key).is_none());
     }
