@@ -69,8 +69,9 @@ SHARDS = ("ingest-0", "ingest-1")
 # queries. $__rate_interval is max($__interval + scrape, 4 x scrape).
 GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__interval_ms", "__range", "__range_s",
                     "__range_ms"}
-DUP = 'outcome=~"duplicate_window|duplicate_unique_key"'
-ACKED = 'outcome=~"stored|duplicate_window|duplicate_unique_key"'
+# The gateway's answers that were repeats, and all it answered with an ACK.
+DUP = 'outcome=~"duplicate_window|duplicate_unique_key|duplicate_business_key"'
+ACKED = 'outcome=~"stored|duplicate_window|duplicate_unique_key|duplicate_business_key"'
 # Series the proof's cluster cannot produce, and why. An expression that returns
 # nothing only because all its missing series are listed here is reported as
 # not applicable instead of failing; any other empty result fails.
@@ -629,7 +630,10 @@ def run(args, tmp: Path, procs: Processes, rules: Path, rules_in_file, targets, 
     # The business key's share of the gateway's answered sends (the panel's
     # "business key" line).
     driver_business_rate = b["duplicate_business_key"] / driver_acked
-    sel = lambda outcome: f'imdedup_ingest_sends_total{{namespace="{NAMESPACE}",{outcome}}}'
+    # The rate is counted at the gateway (the recording rule's and the
+    # dashboard's): a copy that joined a send in flight there never reaches
+    # an ingest, and the business key's retries are answered there.
+    sel = lambda outcome: f'imdedup_gateway_sends_total{{namespace="{NAMESPACE}",{outcome}}}'
     exact = prom.scalar(f"sum({sel(DUP)}) / sum({sel(ACKED)})", at)
     by_increase = prom.scalar(f"sum(increase({sel(DUP)}[{run_range}])) / "
                               f"sum(increase({sel(ACKED)}[{run_range}]))", at)
