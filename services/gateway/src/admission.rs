@@ -40,10 +40,10 @@
 //! together. A phone that comes back for its appointment goes in, or into
 //! the room if the limit is reached and the room is served in time (if the
 //! gateway has fallen further behind, it gets a new appointment at the
-//! end); a new send does not jump ahead of the appointments given out,
-//! unless more than half the limit is free. A refused message is therefore
-//! tried about twice, however long the queue of appointments, and the wait
-//! it is given grows with the overload.
+//! end); a new send does not jump ahead of the appointments given out, unless more than
+//! half the limit is free. A refused message is therefore tried about
+//! twice, however long the queue of appointments, and the wait it is given
+//! grows with the overload.
 //! Appointments go no further than `horizon`; past it the phone is told to
 //! come back after the horizon (jittered), without an appointment, and the
 //! refusal is counted as shed.
@@ -218,16 +218,20 @@ impl Pass {
             }
         }
     }
+
+    fn waiting(&self) -> bool {
+        self.waiting.is_some()
+    }
 }
 
 impl Drop for Pass {
     fn drop(&mut self) {
-        if self.waiting.is_some() {
+        if self.waiting() {
             self.give_back_waiting();
-        } else {
-            self.admission
-                .release(self.started, Instant::now(), self.completion);
+            return;
         }
+        self.admission
+            .release(self.started, Instant::now(), self.completion);
     }
 }
 
@@ -264,6 +268,11 @@ impl Admission {
         let mut rng = rand::rng();
         self.lock()
             .book(key, Instant::now(), &self.options, &mut rng)
+    }
+
+    /// Sends waiting for a place.
+    pub fn waiting(&self) -> usize {
+        self.lock().waiting.len()
     }
 
     /// The limit now.
@@ -373,7 +382,7 @@ impl State {
         self.hand_over();
         let limit = self.aimd.limit();
         let queue = !self.waiting.is_empty();
-        let free = self.in_flight < limit && !queue;
+        let room = self.in_flight < limit && !queue;
         let idle = self.in_flight * 2 < limit && !queue;
         let pending = self.last_slot > now;
         match self.book.get(&key).copied() {
@@ -383,9 +392,9 @@ impl State {
             // unbounded room filled with 11,900 sends at 1.5x, which timed
             // out there and were booked again).
             Some(slot) if slot <= now + EARLY => {
-                if free || self.room_takes_one_more() {
+                if room || self.room_wait() + self.spacing() <= WAIT_IN_ROOM {
                     self.book.remove(&key);
-                    Ok(self.enter(free))
+                    Ok(self.enter(room))
                 } else {
                     Err(self.book(key, now, options, rng))
                 }
@@ -398,18 +407,19 @@ impl State {
             Some(slot) => Err(Refusal::Appointment {
                 retry_after: (slot - now).max(MIN_WAIT),
             }),
-            None if idle || (free && !pending) => Ok(self.enter(true)),
+            None if idle || (room && !pending) => Ok(self.enter(true)),
             // A short wait in the room rather than a refusal and a second
             // try, when no appointment is ahead of it and the room is
             // served within `WAIT_IN_ROOM`.
-            None if !pending && self.room_takes_one_more() => Ok(self.wait()),
+            None if !pending && self.room_wait() + self.spacing() <= WAIT_IN_ROOM => {
+                Ok(self.wait())
+            }
             None => Err(self.book(key, now, options, rng)),
         }
     }
 
-    /// In now if a place is `free`, else into the room.
-    fn enter(&mut self, free: bool) -> Door {
-        if free {
+    fn enter(&mut self, room: bool) -> Door {
+        if room {
             self.in_flight += 1;
             Door::In
         } else {
@@ -420,11 +430,6 @@ impl State {
     /// How long the sends in the room will wait for their places.
     fn room_wait(&self) -> Duration {
         self.spacing() * self.waiting.len() as u32
-    }
-
-    /// One more in the room would have its place within `WAIT_IN_ROOM`.
-    fn room_takes_one_more(&self) -> bool {
-        self.room_wait() + self.spacing() <= WAIT_IN_ROOM
     }
 
     /// The next appointment, one send's time after the last one and after
@@ -712,7 +717,7 @@ mod tests {
         let admission = Admission::new(options(1));
         let first = admission.admit("ana", b"m-1").expect("in");
         let mut waiting = admission.admit("ana", b"m-2").expect("the room");
-        assert_eq!(admission.lock().waiting.len(), 1);
+        assert_eq!(admission.waiting(), 1);
         let refusal = waiting
             .ready(Duration::from_millis(20))
             .await
