@@ -38,9 +38,8 @@
 //! current limit and latency (limit / latency is what it serves per
 //! second), so the phones come back at the rate they can be served, not
 //! together. A phone that comes back for its appointment goes in, or into
-//! the room if the limit is reached and the room is served in time (if the
-//! gateway has fallen further behind, it gets a new appointment at the
-//! end); a new send does not jump ahead of the appointments given out, unless more than
+//! the room if the limit is reached (it is never sent away again); a new
+//! send does not jump ahead of the appointments given out, unless more than
 //! half the limit is free. A refused message is therefore tried about
 //! twice, however long the queue of appointments, and the wait it is given
 //! grows with the overload.
@@ -386,18 +385,11 @@ impl State {
         let idle = self.in_flight * 2 < limit && !queue;
         let pending = self.last_slot > now;
         match self.book.get(&key).copied() {
-            // Its turn: in, or into the room while the room is served in
-            // time; if the gateway has fallen further behind its
-            // appointments than that, a new appointment at the end (an
-            // unbounded room filled with 11,900 sends at 1.5x, which timed
-            // out there and were booked again).
+            // Its turn: in, or first in the room behind those already
+            // waiting (it was promised this turn, so it is not sent away).
             Some(slot) if slot <= now + EARLY => {
-                if room || self.room_wait() + self.spacing() <= WAIT_IN_ROOM {
-                    self.book.remove(&key);
-                    Ok(self.enter(room))
-                } else {
-                    Err(self.book(key, now, options, rng))
-                }
+                self.book.remove(&key);
+                Ok(self.enter(room))
             }
             Some(_) if idle => {
                 self.book.remove(&key);
@@ -668,16 +660,9 @@ mod tests {
         // Coming early keeps the same appointment.
         let early = back - Duration::from_millis(30);
         assert_eq!(wait(gate.admit(100, early)), Duration::from_millis(30));
-        // On time, with the limit reached and the room full: the gateway
-        // is further behind than the room can make up, a new appointment.
-        let again = wait(gate.admit(100, back));
-        assert!(back + again > back + Duration::from_millis(10));
-        // Once the room has moved on, on time: not sent away, it waits for
-        // the next place; an appointment is used once.
-        gate.done(back, back);
-        gate.done(back, back);
-        let turn = back + again;
-        let _place = gate.wait_in_room(100, turn);
+        // On time, with the limit reached: not sent away, it waits for the
+        // next place; an appointment is used once.
+        let _place = gate.wait_in_room(100, back);
         assert!(!gate.state.book.contains_key(&100));
     }
 
