@@ -1,33 +1,46 @@
 //! A file (or a few files read together) read at start and read again when
-//! it changes (modification times, checked at most once a second, on use),
-//! for configuration that must change without a restart: groups, token
-//! keys, certificates. A Kubernetes ConfigMap or Secret mounted as a
-//! directory updates this way. A change that does not parse is logged and
-//! ignored: the last good value stays.
+//! it changes, for configuration that must change without a restart:
+//! groups, token keys, certificates. A Kubernetes ConfigMap or Secret
+//! mounted as a directory updates this way. A thread of its own compares
+//! the modification times once a second, so a change is in force within
+//! about a second whether or not anything uses the value meanwhile, and
+//! every reader sees either the old value or the new one, never a mix of
+//! callers still on the old value after the new one was read. A change that
+//! does not parse is logged and ignored: the last good value stays.
 
 use std::{
     path::{Path, PathBuf},
-    sync::{Arc, Mutex, RwLock},
-    time::{Duration, Instant, SystemTime},
+    sync::{Arc, Mutex, RwLock, Weak},
+    time::{Duration, SystemTime},
 };
 
 use crate::Error;
 
-/// How often the file is checked for a change.
+/// How often the files are checked for a change.
 pub const RECHECK: Duration = Duration::from_secs(1);
+
+struct Checked {
+    read: Vec<Option<SystemTime>>,
+    failed: Option<Vec<Option<SystemTime>>>,
+}
 
 type Parse<T> = Box<dyn Fn(&[PathBuf]) -> Result<T, Error> + Send + Sync>;
 
 /// The parsed content of a file, kept current.
 pub struct WatchedFile<T> {
+    inner: Arc<Inner<T>>,
+}
+
+struct Inner<T> {
     paths: Vec<PathBuf>,
     parse: Parse<T>,
     value: RwLock<Arc<T>>,
-    /// When the files were last checked, and their modification times then.
-    checked: Mutex<(Instant, Vec<Option<SystemTime>>)>,
+    /// The files' modification times at the last good read, and at the last
+    /// read that failed (retried every check, logged once).
+    modified: Mutex<Checked>,
 }
 
-impl<T: 'static> WatchedFile<T> {
+impl<T: Send + Sync + 'static> WatchedFile<T> {
     /// Read and parse `path` now; an error here is an error at start.
     pub fn open(
         path: impl Into<PathBuf>,
@@ -43,54 +56,80 @@ impl<T: 'static> WatchedFile<T> {
     ) -> Result<Self, Error> {
         let modified = paths.iter().map(|p| modified(p)).collect();
         let value = parse(&paths)?;
-        Ok(Self {
+        let inner = Arc::new(Inner {
             paths,
             parse: Box::new(parse),
             value: RwLock::new(Arc::new(value)),
-            checked: Mutex::new((Instant::now(), modified)),
-        })
+            modified: Mutex::new(Checked {
+                read: modified,
+                failed: None,
+            }),
+        });
+        watch(Arc::downgrade(&inner))?;
+        Ok(Self { inner })
     }
+}
 
+impl<T> WatchedFile<T> {
     /// The (first) file watched.
     pub fn path(&self) -> &Path {
-        &self.paths[0]
+        &self.inner.paths[0]
     }
 
-    /// The value in force, read again first if the file changed.
+    /// The value in force.
     pub fn get(&self) -> Arc<T> {
-        self.reload_if_changed();
-        Arc::clone(&self.value.read().unwrap_or_else(|e| e.into_inner()))
+        Arc::clone(&self.inner.value.read().unwrap_or_else(|e| e.into_inner()))
     }
 
-    /// Check the file at the next use, whenever it was last checked.
-    pub fn recheck_now(&self) {
-        if let Ok(mut checked) = self.checked.lock() {
-            checked.0 = Instant::now() - RECHECK;
-        }
+    /// Check the files now rather than at the next tick (a test, or an
+    /// operator's signal).
+    pub fn check_now(&self) {
+        self.inner.reload_if_changed();
     }
+}
 
+/// Check the files every [`RECHECK`] on a thread of their own, until the
+/// [`WatchedFile`] is dropped.
+fn watch<T: Send + Sync + 'static>(inner: Weak<Inner<T>>) -> Result<(), Error> {
+    std::thread::Builder::new()
+        .name("watched-file".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(RECHECK);
+                match inner.upgrade() {
+                    Some(inner) => inner.reload_if_changed(),
+                    None => return,
+                }
+            }
+        })
+        .map(drop)
+        .map_err(|e| Error::internal(format!("cannot start the file watcher: {e}")))
+}
+
+impl<T> Inner<T> {
     fn reload_if_changed(&self) {
-        // One caller checks; the others use the value in force.
-        let Ok(mut checked) = self.checked.try_lock() else {
-            return;
-        };
-        if checked.0.elapsed() < RECHECK {
-            return;
-        }
+        let mut checked = self.modified.lock().unwrap_or_else(|e| e.into_inner());
         let now_modified: Vec<_> = self.paths.iter().map(|p| modified(p)).collect();
-        let changed = now_modified != checked.1;
-        *checked = (Instant::now(), now_modified);
-        if !changed {
+        if now_modified == checked.read {
             return;
         }
-        let path = self.path().display();
+        let path = self.paths[0].display();
         match (self.parse)(&self.paths) {
             Ok(value) => {
                 tracing::info!(%path, "file changed; read again");
                 *self.value.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(value);
+                *checked = Checked {
+                    read: now_modified,
+                    failed: None,
+                };
             }
+            // Read again at the next check: a file caught halfway through a
+            // write may be finished within the same modification time.
             Err(e) => {
-                tracing::warn!(%path, error = %e, "file changed but cannot be used; the previous content stays");
+                if checked.failed.as_ref() != Some(&now_modified) {
+                    tracing::warn!(%path, error = %e, "file changed but cannot be used; the previous content stays");
+                    checked.failed = Some(now_modified);
+                }
             }
         }
     }
@@ -102,6 +141,8 @@ fn modified(path: &Path) -> Option<SystemTime> {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Instant;
+
     use super::*;
 
     fn number(path: &Path) -> Result<u32, Error> {
@@ -111,15 +152,19 @@ mod tests {
             .map_err(|_| Error::invalid(format!("{text:?} is not a number")))
     }
 
-    /// Write `text` with a modification time that differs from the last.
-    fn rewrite(path: &Path, text: &str, later: u64) {
+    /// Write `text` with the modification time `at`.
+    fn rewrite(path: &Path, text: &str, at: SystemTime) {
         std::fs::write(path, text).unwrap();
         std::fs::File::options()
             .write(true)
             .open(path)
             .unwrap()
-            .set_modified(SystemTime::now() + Duration::from_secs(later))
+            .set_modified(at)
             .unwrap();
+    }
+
+    fn later(seconds: u64) -> SystemTime {
+        SystemTime::now() + Duration::from_secs(seconds)
     }
 
     #[test]
@@ -130,14 +175,46 @@ mod tests {
         let watched = WatchedFile::open(&path, number).unwrap();
         assert_eq!(*watched.get(), 1);
 
-        rewrite(&path, "2", 5);
-        assert_eq!(*watched.get(), 1, "not checked again within a second");
-        watched.recheck_now();
+        rewrite(&path, "2", later(5));
+        watched.check_now();
         assert_eq!(*watched.get(), 2);
 
-        rewrite(&path, "two", 10);
-        watched.recheck_now();
+        rewrite(&path, "two", later(10));
+        watched.check_now();
         assert_eq!(*watched.get(), 2, "the last good value stays");
+    }
+
+    #[test]
+    fn a_change_is_in_force_within_seconds_with_no_one_asking() {
+        // Whoever changes the file (a ConfigMap update, the load driver
+        // adding its groups) may rely on it being read by then, not on the
+        // first use after it, which raced with other users.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("n");
+        std::fs::write(&path, "1").unwrap();
+        let watched = WatchedFile::open(&path, number).unwrap();
+        rewrite(&path, "2", later(5));
+        let deadline = Instant::now() + 4 * RECHECK;
+        while *watched.get() != 2 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert_eq!(*watched.get(), 2, "read within four checks");
+    }
+
+    #[test]
+    fn a_file_caught_halfway_through_a_write_is_read_again_when_finished() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("n");
+        std::fs::write(&path, "1").unwrap();
+        let watched = WatchedFile::open(&path, number).unwrap();
+        let at = later(5);
+        rewrite(&path, "", at);
+        watched.check_now();
+        assert_eq!(*watched.get(), 1);
+        // The rest of the write lands within the same modification time.
+        rewrite(&path, "2", at);
+        watched.check_now();
+        assert_eq!(*watched.get(), 2);
     }
 
     #[test]

@@ -137,7 +137,7 @@ mod tests {
         let GroupsFile::Watched(file) = &groups else {
             unreachable!("opened from a file")
         };
-        file.recheck_now();
+        file.check_now();
         assert!(ask(&groups, "carl", "team"), "the new member is in");
         assert!(!ask(&groups, "ana", "team"), "the removed member is out");
     }
