@@ -185,8 +185,10 @@ async fn authorized_send(
         .authz
         .check(&sender, &message.conversation)
         .await?;
+    gateway.check_rate(&sender).map_err(for_business)?;
     let admitted = gateway
-        .admit(&sender, message.key.client_msg_id.as_bytes())
+        .place(&sender, message.key.client_msg_id.as_bytes())
+        .await
         .map_err(for_business)?;
     let (shard, result) = gateway
         .shards
