@@ -77,76 +77,36 @@ async fn a_user_over_the_send_rate_is_told_when_to_come_back_and_nothing_is_stor
     cluster.shutdown().await;
 }
 
-/// Eight conversations of ana's, so that eight sends can be in the
-/// gateway at once (sends into one conversation wait for each other).
-fn conversations() -> Vec<String> {
-    (0..8).map(|i| format!("dm:ana:friend{i}")).collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_burst_beyond_the_in_flight_cap_waits_for_places_and_is_stored_once() {
+async fn the_gateway_sheds_sends_beyond_its_in_flight_cap_and_a_resend_is_stored() {
     let dir = tempfile::tempdir().unwrap();
     let cluster = cluster(&dir, |l| l.max_sends_in_flight = 1).await;
     let ana = common::connect(&cluster, "ana", Encoding::Json).await;
-    let conversations = conversations();
-    let ids: Vec<String> = (0..8).map(|i| format!("w-{i}")).collect();
-    let sends: Vec<_> = ids
-        .iter()
-        .zip(&conversations)
-        .map(|(id, c)| (id.as_bytes(), c.as_str(), "body"))
-        .collect();
+    let ids: Vec<String> = (0..8).map(|i| format!("f-{i}")).collect();
+    let sends: Vec<_> = ids.iter().map(|id| (id.as_bytes(), DM, "body")).collect();
     let replies = ana.send_pipelined(&sends).await.unwrap();
-    for reply in &replies {
-        let ack = reply.as_ref().expect("waited for a place, not refused");
-        assert!(!ack.duplicate);
+    let shed: Vec<_> = replies.iter().filter_map(|r| r.as_ref().err()).collect();
+    assert!(!shed.is_empty(), "eight sends at once through a cap of one");
+    for e in &shed {
+        assert_eq!(e.code, "overloaded");
+        assert!(e.retry_after.is_some());
     }
-    for c in &conversations {
-        assert_eq!(common::rows(&ana, c).await.len(), 1, "{c}");
+    // Each refusal is an appointment after the one before: the phones are
+    // spread out, not sent back together.
+    let waits: Vec<Duration> = shed.iter().map(|e| e.retry_after.unwrap()).collect();
+    assert!(waits.windows(2).all(|w| w[0] <= w[1]), "{waits:?}");
+    assert!(
+        waits.first() < waits.last() || waits.len() == 1,
+        "{waits:?}"
+    );
+    let stored = replies.len() - shed.len();
+    assert_eq!(common::rows(&ana, DM).await.len(), stored);
+    // The phone resends what was shed, one at a time: all stored, once.
+    for id in &ids {
+        common::send_until_acked(&ana, id.as_bytes(), DM, "body").await;
     }
-    assert_eq!(limited(&cluster, "in_flight").await, 0.0);
-    cluster.shutdown().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sends_beyond_what_may_wait_are_refused_with_a_hint_and_a_resend_is_stored() {
-    let dir = tempfile::tempdir().unwrap();
-    let cluster = cluster(&dir, |l| {
-        l.max_sends_in_flight = 1;
-        l.max_sends_waiting = 1;
-    })
-    .await;
-    let ana = common::connect(&cluster, "ana", Encoding::Json).await;
-    let conversations = conversations();
-    let ids: Vec<String> = (0..8).map(|i| format!("s-{i}")).collect();
-    let sends: Vec<_> = ids
-        .iter()
-        .zip(&conversations)
-        .map(|(id, c)| (id.as_bytes(), c.as_str(), "body"))
-        .collect();
-    let replies = ana.send_pipelined(&sends).await.unwrap();
-    // However the burst met the one place and the one seat: each send is
-    // stored or refused with when to come back, never lost or doubled.
-    let mut refused = 0;
-    for (reply, c) in replies.iter().zip(&conversations) {
-        match reply {
-            Ok(_) => assert_eq!(common::rows(&ana, c).await.len(), 1, "{c}"),
-            Err(e) => {
-                refused += 1;
-                assert_eq!(e.code, "overloaded");
-                assert!(e.retryable);
-                assert!(e.retry_after.is_some(), "{e:?}");
-                assert!(common::rows(&ana, c).await.is_empty(), "{c}");
-            }
-        }
-    }
-    assert_eq!(limited(&cluster, "in_flight").await, f64::from(refused));
-    // The phone resends what was refused: all stored, once.
-    for (id, c) in ids.iter().zip(&conversations) {
-        common::send_until_acked(&ana, id.as_bytes(), c, "body").await;
-    }
-    for c in &conversations {
-        assert_eq!(common::rows(&ana, c).await.len(), 1, "{c}");
-    }
+    assert_eq!(common::rows(&ana, DM).await.len(), ids.len());
+    assert_eq!(limited(&cluster, "in_flight").await, shed.len() as f64);
     cluster.shutdown().await;
 }
 

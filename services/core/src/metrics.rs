@@ -165,7 +165,7 @@ pub struct GatewayMetrics {
     limited: Family<ReasonLabels, Counter>,
     resends_joined: Counter,
     admission_limit: Gauge,
-    sends_waiting: Gauge,
+    appointments: Gauge,
 }
 
 /// Why the gateway refused or ended something to protect itself (the
@@ -193,7 +193,7 @@ impl Default for GatewayMetrics {
             limited: Family::default(),
             resends_joined: Counter::default(),
             admission_limit: Gauge::default(),
-            sends_waiting: Gauge::default(),
+            appointments: Gauge::default(),
         }
     }
 }
@@ -256,9 +256,9 @@ impl GatewayMetrics {
             m.admission_limit.clone(),
         );
         registry.register(
-            "imdedup_gateway_sends_waiting",
-            "Sends waiting in the gateway for a place of its admission limit",
-            m.sends_waiting.clone(),
+            "imdedup_gateway_appointments",
+            "Refused sends given a time to come back, not back yet",
+            m.appointments.clone(),
         );
         registry.register(
             "imdedup_gateway_shard_up",
@@ -283,12 +283,12 @@ impl GatewayMetrics {
         self.resends_joined.get()
     }
 
-    /// The admission limit and the sends waiting for a place now.
-    pub fn set_admission(&self, limit: usize, waiting: usize) {
+    /// The admission limit and the appointments open now.
+    pub fn set_admission(&self, limit: usize, appointments: usize) {
         self.admission_limit
             .set(i64::try_from(limit).unwrap_or(i64::MAX));
-        self.sends_waiting
-            .set(i64::try_from(waiting).unwrap_or(i64::MAX));
+        self.appointments
+            .set(i64::try_from(appointments).unwrap_or(i64::MAX));
     }
 
     /// How many times `reason` was counted.

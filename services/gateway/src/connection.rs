@@ -146,9 +146,9 @@ pub async fn run(
                 continue;
             }
         };
-        // The user's rate: refused at once, with when to come back. A copy
-        // of a send in flight joins it instead. The gateway's own limit is
-        // waited for in the send's task.
+        // Limits of the user and the gateway: refused at once, with when
+        // to come back, rather than queued. A copy of a send in flight
+        // joins it instead.
         let work = match inbound {
             Inbound::Send(cmd) => match gateway.admit_send(&session.sender, &cmd) {
                 Ok(admitted) => Ok(Work::Send(cmd, admitted)),
@@ -195,24 +195,15 @@ pub async fn run(
                     let id_b64 = cmd.id_b64;
                     let result = match admitted {
                         AdmittedSend::Join(first) => first.answer().await,
-                        AdmittedSend::Lead { leader } => {
+                        AdmittedSend::Lead { pass, leader } => {
                             let turn = match turn {
                                 Some(turn) => Some(turn.wait().await),
                                 None => None,
                             };
-                            // A place once the send's turn in its
-                            // conversation has come, so a send waiting for
-                            // the one before it holds none.
-                            let result = match gateway.place(&sender, &cmd.id).await {
-                                Ok(pass) => {
-                                    let result = send(&gateway, sender, cmd).await;
-                                    pass.finish(Completion::of(&result));
-                                    result
-                                }
-                                Err(refused) => Err(refused),
-                            };
+                            let result = send(&gateway, sender, cmd).await;
                             // The next send of this conversation may go now.
                             drop(turn);
+                            pass.finish(Completion::of(&result));
                             if let Some(leader) = leader {
                                 leader.answer(&result);
                             }

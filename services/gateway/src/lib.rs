@@ -102,9 +102,8 @@ pub struct Gateway {
     admission: Arc<Admission>,
     /// Sends in flight that a resend can join.
     resends: Arc<InFlightSends>,
-    /// Sends that asked for a place, to sample the admission gauges now
-    /// and then.
-    entered: AtomicU64,
+    /// Sends admitted, to sample the admission gauges now and then.
+    admitted: AtomicU64,
     metrics: GatewayMetrics,
 }
 
@@ -112,10 +111,10 @@ pub struct Gateway {
 pub(crate) enum AdmittedSend {
     /// A copy of a send in flight: it gets that send's answer.
     Join(Follower),
-    /// A send of its own; its answer goes to the copies that join it
-    /// (none if another send with the same ID but other content is in
-    /// flight).
-    Lead { leader: Option<Leader> },
+    /// A send of its own, holding a place of the admission limit; its
+    /// answer goes to the copies that join it (none if another send with
+    /// the same ID but other content is in flight).
+    Lead { pass: Pass, leader: Option<Leader> },
 }
 
 impl Gateway {
@@ -139,12 +138,10 @@ impl Gateway {
             ),
             admission: Admission::new(AdmissionOptions {
                 target: config.limits.send_latency_target,
-                max_wait: config.limits.max_send_wait,
-                max_waiting: config.limits.max_sends_waiting,
                 ..AdmissionOptions::with_max(config.limits.max_sends_in_flight)
             }),
             resends: InFlightSends::new(),
-            entered: AtomicU64::new(0),
+            admitted: AtomicU64::new(0),
             metrics: GatewayMetrics::default(),
             config,
         })
@@ -165,10 +162,10 @@ impl Gateway {
         self.storage.history(query).await
     }
 
-    /// Take in one send of `sender`: a copy of a send in flight joins it;
-    /// any other is led by this one, if the user's rate allows (else
-    /// `overloaded` with when to try again). It still needs a place
-    /// ([`Gateway::place`]) before it goes to its shard.
+    /// Admit one send of `sender`: a copy of a send in flight joins it;
+    /// any other goes in if the admission limit and the user's rate allow,
+    /// or is refused with `overloaded` and when to try again (see
+    /// [`admission`]).
     pub(crate) fn admit_send(&self, sender: &Sender, cmd: &SendCmd) -> Result<AdmittedSend, Error> {
         let key = self
             .resends
@@ -177,9 +174,13 @@ impl Gateway {
             self.metrics.resend_joined();
             return Ok(AdmittedSend::Join(follower));
         }
-        self.check_rate(sender)?;
+        let pass = self.admit(sender, &cmd.id)?;
+        if self.admitted.fetch_add(1, Ordering::Relaxed) % 256 == 0 {
+            self.metrics
+                .set_admission(self.admission.limit(), self.admission.booked());
+        }
         match self.resends.lead(key) {
-            Ok(leader) => Ok(AdmittedSend::Lead { leader }),
+            Ok(leader) => Ok(AdmittedSend::Lead { pass, leader }),
             Err(follower) => {
                 self.metrics.resend_joined();
                 Ok(AdmittedSend::Join(follower))
@@ -187,44 +188,29 @@ impl Gateway {
         }
     }
 
-    /// A send of `sender` within the user's rate, or `overloaded` with when
-    /// to try again.
-    pub(crate) fn check_rate(&self, sender: &Sender) -> Result<(), Error> {
-        self.send_rate.check(sender).map_err(|wait| {
+    /// A place of the admission limit for a send of `sender` with `id`,
+    /// within the user's rate; or `overloaded` with when to try again.
+    pub(crate) fn admit(&self, sender: &Sender, id: &[u8]) -> Result<Pass, Error> {
+        let pass = self
+            .admission
+            .admit(sender.as_str(), id)
+            .map_err(|refusal| {
+                self.metrics.limited("in_flight");
+                self.metrics
+                    .set_admission(self.admission.limit(), self.admission.booked());
+                Error::overloaded(
+                    "the gateway is busy; not stored: resend with the same id after retry_after_ms",
+                    refusal.retry_after(),
+                )
+            })?;
+        if let Err(wait) = self.send_rate.check(sender) {
             self.metrics.limited("user_send_rate");
-            Error::overloaded(
+            return Err(Error::overloaded(
                 "too many sends from this user; not stored: resend with the same id later",
                 wait.max(Duration::from_millis(1)),
-            )
-        })
-    }
-
-    /// A place of the admission limit for the send of `sender` with `id`,
-    /// once one is free (see [`admission`]); or `overloaded` with when to
-    /// try again if none came in time.
-    pub(crate) async fn place(&self, sender: &Sender, id: &[u8]) -> Result<Pass, Error> {
-        let entry = self.admission.enter(sender.as_str(), id);
-        if self.entered.fetch_add(1, Ordering::Relaxed) % 256 == 0 {
-            self.sample_admission();
+            ));
         }
-        let refusal = match entry {
-            Ok(entry) => match entry.ready().await {
-                Ok(pass) => return Ok(pass),
-                Err(refusal) => refusal,
-            },
-            Err(refusal) => refusal,
-        };
-        self.metrics.limited("in_flight");
-        self.sample_admission();
-        Err(Error::overloaded(
-            "the gateway is busy; not stored: resend with the same id after retry_after_ms",
-            refusal.retry_after,
-        ))
-    }
-
-    fn sample_admission(&self) {
-        self.metrics
-            .set_admission(self.admission.limit(), self.admission.waiting());
+        Ok(pass)
     }
 
     /// Connections open now.

@@ -41,11 +41,6 @@ pub struct Limits {
     pub max_sends_in_flight: usize,
     /// A send answered later than this cuts the admission limit.
     pub send_latency_target: Duration,
-    /// The longest a send waits in the gateway for a place of the limit;
-    /// then `overloaded` with when to come back.
-    pub max_send_wait: Duration,
-    /// Sends waiting for a place, at most; beyond, `overloaded` at once.
-    pub max_sends_waiting: usize,
     /// Message bodies in one history page, in bytes (a page holds at least
     /// one message).
     pub max_history_page_bytes: usize,
@@ -65,8 +60,6 @@ impl Default for Limits {
             user_send_burst: NonZeroU32::new(200).expect("non-zero"),
             max_sends_in_flight: 20_000,
             send_latency_target: Duration::from_millis(250),
-            max_send_wait: Duration::from_secs(10),
-            max_sends_waiting: 100_000,
             max_history_page_bytes: 1 << 20,
             max_pulls_per_connection: 2,
         }

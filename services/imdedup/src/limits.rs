@@ -34,21 +34,14 @@ pub struct LimitArgs {
     #[arg(long, env = "IMDEDUP_USER_SEND_BURST", default_value = "200")]
     pub user_send_burst: NonZeroU32,
     /// Most sends in flight in the gateway: the ceiling of its adaptive
-    /// admission limit; beyond the limit, sends wait for a place.
+    /// admission limit; beyond the limit, `overloaded` with
+    /// `retry_after_ms` (an appointment).
     #[arg(long, env = "IMDEDUP_MAX_SENDS_IN_FLIGHT", default_value_t = 20_000)]
     pub max_sends_in_flight: usize,
     /// A send answered later than this cuts the gateway's admission limit,
     /// so the work it takes in finishes in about this time.
     #[arg(long, env = "IMDEDUP_SEND_LATENCY_TARGET", default_value = "250ms", value_parser = duration)]
     pub send_latency_target: Duration,
-    /// The longest a send waits in the gateway for a place of the
-    /// admission limit; then `overloaded` with `retry_after_ms`.
-    #[arg(long, env = "IMDEDUP_MAX_SEND_WAIT", default_value = "10s", value_parser = duration)]
-    pub max_send_wait: Duration,
-    /// Most sends waiting in the gateway for a place; beyond, `overloaded`
-    /// at once.
-    #[arg(long, env = "IMDEDUP_MAX_SENDS_WAITING", default_value_t = 100_000)]
-    pub max_sends_waiting: usize,
     /// Most bytes of message bodies in one history page (a page holds at
     /// least one message).
     #[arg(long, env = "IMDEDUP_MAX_HISTORY_PAGE_BYTES", default_value_t = 1 << 20)]
@@ -71,8 +64,6 @@ impl LimitArgs {
             user_send_burst: self.user_send_burst,
             max_sends_in_flight: self.max_sends_in_flight.max(1),
             send_latency_target: self.send_latency_target.max(Duration::from_millis(1)),
-            max_send_wait: self.max_send_wait,
-            max_sends_waiting: self.max_sends_waiting,
             max_history_page_bytes: self.max_history_page_bytes.max(1),
             max_pulls_per_connection: self.max_pulls_per_connection.max(1),
         }

@@ -185,10 +185,8 @@ async fn authorized_send(
         .authz
         .check(&sender, &message.conversation)
         .await?;
-    gateway.check_rate(&sender).map_err(for_business)?;
     let admitted = gateway
-        .place(&sender, message.key.client_msg_id.as_bytes())
-        .await
+        .admit(&sender, message.key.client_msg_id.as_bytes())
         .map_err(for_business)?;
     let (shard, result) = gateway
         .shards
