@@ -195,18 +195,12 @@ pub async fn run(
                     let id_b64 = cmd.id_b64;
                     let result = match admitted {
                         AdmittedSend::Join(first) => first.answer().await,
-                        AdmittedSend::Lead { mut pass, leader } => {
-                            // A place in the waiting room first, if that
-                            // is where the door put it.
-                            let ready = gateway.ready(&mut pass).await;
+                        AdmittedSend::Lead { pass, leader } => {
                             let turn = match turn {
                                 Some(turn) => Some(turn.wait().await),
                                 None => None,
                             };
-                            let result = match ready {
-                                Ok(()) => send(&gateway, sender, cmd).await,
-                                Err(refused) => Err(refused),
-                            };
+                            let result = send(&gateway, sender, cmd).await;
                             // The next send of this conversation may go now.
                             drop(turn);
                             pass.finish(Completion::of(&result));

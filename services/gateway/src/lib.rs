@@ -175,11 +175,7 @@ impl Gateway {
             return Ok(AdmittedSend::Join(follower));
         }
         let pass = self.admit(sender, &cmd.id)?;
-        if self
-            .admitted
-            .fetch_add(1, Ordering::Relaxed)
-            .is_multiple_of(256)
-        {
+        if self.admitted.fetch_add(1, Ordering::Relaxed) % 256 == 0 {
             self.metrics
                 .set_admission(self.admission.limit(), self.admission.booked());
         }
@@ -192,31 +188,21 @@ impl Gateway {
         }
     }
 
-    /// Wait for the place of a pass the door put in its waiting room; past
-    /// the room's longest wait, refused with an appointment.
-    pub(crate) async fn ready(&self, pass: &mut Pass) -> Result<(), Error> {
-        pass.ready(admission::MAX_WAIT_IN_ROOM)
-            .await
-            .map_err(|refusal| self.refused(refusal))
-    }
-
-    fn refused(&self, refusal: admission::Refusal) -> Error {
-        self.metrics.limited("in_flight");
-        self.metrics
-            .set_admission(self.admission.limit(), self.admission.booked());
-        Error::overloaded(
-            "the gateway is busy; not stored: resend with the same id after retry_after_ms",
-            refusal.retry_after(),
-        )
-    }
-
     /// A place of the admission limit for a send of `sender` with `id`,
     /// within the user's rate; or `overloaded` with when to try again.
     pub(crate) fn admit(&self, sender: &Sender, id: &[u8]) -> Result<Pass, Error> {
         let pass = self
             .admission
             .admit(sender.as_str(), id)
-            .map_err(|refusal| self.refused(refusal))?;
+            .map_err(|refusal| {
+                self.metrics.limited("in_flight");
+                self.metrics
+                    .set_admission(self.admission.limit(), self.admission.booked());
+                Error::overloaded(
+                    "the gateway is busy; not stored: resend with the same id after retry_after_ms",
+                    refusal.retry_after(),
+                )
+            })?;
         if let Err(wait) = self.send_rate.check(sender) {
             self.metrics.limited("user_send_rate");
             return Err(Error::overloaded(

@@ -185,10 +185,9 @@ async fn authorized_send(
         .authz
         .check(&sender, &message.conversation)
         .await?;
-    let mut admitted = gateway
+    let admitted = gateway
         .admit(&sender, message.key.client_msg_id.as_bytes())
         .map_err(for_business)?;
-    gateway.ready(&mut admitted).await.map_err(for_business)?;
     let (shard, result) = gateway
         .shards
         .send(message, gateway.config.send_timeout)
