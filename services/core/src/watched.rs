@@ -163,16 +163,22 @@ mod tests {
             .unwrap();
     }
 
+    /// A file holding 1, watched; the directory lives as long as it is held.
+    fn watching_one() -> (tempfile::TempDir, PathBuf, WatchedFile<u32>) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("n");
+        std::fs::write(&path, "1").unwrap();
+        let watched = WatchedFile::open(&path, number).unwrap();
+        (dir, path, watched)
+    }
+
     fn later(seconds: u64) -> SystemTime {
         SystemTime::now() + Duration::from_secs(seconds)
     }
 
     #[test]
     fn a_change_is_read_again_and_a_broken_one_keeps_the_last_good_value() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("n");
-        std::fs::write(&path, "1").unwrap();
-        let watched = WatchedFile::open(&path, number).unwrap();
+        let (_dir, path, watched) = watching_one();
         assert_eq!(*watched.get(), 1);
 
         rewrite(&path, "2", later(5));
@@ -189,10 +195,7 @@ mod tests {
         // Whoever changes the file (a ConfigMap update, the load driver
         // adding its groups) may rely on it being read by then, not on the
         // first use after it, which raced with other users.
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("n");
-        std::fs::write(&path, "1").unwrap();
-        let watched = WatchedFile::open(&path, number).unwrap();
+        let (_dir, path, watched) = watching_one();
         rewrite(&path, "2", later(5));
         let deadline = Instant::now() + 4 * RECHECK;
         while *watched.get() != 2 && Instant::now() < deadline {
@@ -203,10 +206,7 @@ mod tests {
 
     #[test]
     fn a_file_caught_halfway_through_a_write_is_read_again_when_finished() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("n");
-        std::fs::write(&path, "1").unwrap();
-        let watched = WatchedFile::open(&path, number).unwrap();
+        let (_dir, path, watched) = watching_one();
         let at = later(5);
         rewrite(&path, "", at);
         watched.check_now();
