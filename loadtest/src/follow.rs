@@ -53,6 +53,54 @@ pub async fn follow(
     }
 }
 
+/// After the load, keep following the conversations whose followers have
+/// not yet reached the end of the final history (`ends`: conversation →
+/// last stored seq), until they do or `within` has passed. A follower can
+/// only be behind, not past, a row here: a reader stops before a row that
+/// may still be settled (a pending row younger than the store's fence, or
+/// a settling write that failed) and gets it on a later pull, as a phone
+/// does. What is still undelivered after this is counted as missed.
+pub async fn catch_up(
+    phones: &Phones,
+    readers: &[(String, usize)],
+    delivered: &mut Delivered,
+    ends: &HashMap<String, u64>,
+    within: Duration,
+) {
+    let readers: HashMap<String, usize> = readers.iter().cloned().collect();
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let lagging = behind(delivered, ends);
+        if lagging.is_empty() || tokio::time::Instant::now() >= deadline {
+            return;
+        }
+        let started = tokio::time::Instant::now();
+        let cursors = lagging
+            .into_iter()
+            .map(|c| {
+                let cursor = delivered[&c].last().map_or(0, |r| r.seq);
+                (c, cursor)
+            })
+            .collect();
+        pull_from(phones, &readers, delivered, cursors).await;
+        if !behind(delivered, ends).is_empty() {
+            tokio::time::sleep(SWEEP_PAUSE.max(started.elapsed() * 2)).await;
+        }
+    }
+}
+
+/// Conversations whose follower has not reached `ends`.
+fn behind(delivered: &Delivered, ends: &HashMap<String, u64>) -> Vec<String> {
+    delivered
+        .iter()
+        .filter(|(c, rows)| {
+            let cursor = rows.last().map_or(0, |r| r.seq);
+            ends.get(*c).is_some_and(|&end| cursor < end)
+        })
+        .map(|(c, _)| c.clone())
+        .collect()
+}
+
 /// Most waits a sweep spends on one conversation's retry-after hints.
 const MAX_WAITS: u32 = 50;
 
@@ -64,6 +112,16 @@ async fn sweep(phones: &Phones, readers: &HashMap<String, usize>, delivered: &mu
         .iter()
         .map(|(c, rows)| (c.clone(), rows.last().map_or(0, |r| r.seq)))
         .collect();
+    pull_from(phones, readers, delivered, cursors).await;
+}
+
+/// Pull each conversation from its cursor to its end.
+async fn pull_from(
+    phones: &Phones,
+    readers: &HashMap<String, usize>,
+    delivered: &mut Delivered,
+    cursors: Vec<(String, u64)>,
+) {
     let mut pulls = futures_util::stream::iter(cursors)
         .map(|(conversation, mut cursor)| async move {
             let mut new = Vec::new();
@@ -99,5 +157,40 @@ async fn sweep(phones: &Phones, readers: &HashMap<String, usize>, delivered: &mu
         if let Some(rows) = delivered.get_mut(&conversation) {
             rows.extend(new);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(seq: u64) -> HistoryMessage {
+        HistoryMessage {
+            sender: "u1".into(),
+            id: seq.to_be_bytes().to_vec(),
+            server_id: seq,
+            seq,
+            body: String::new(),
+        }
+    }
+
+    #[test]
+    fn only_followers_short_of_a_historys_end_are_behind() {
+        let delivered: Delivered = [
+            ("at-end".to_owned(), vec![row(1), row(2)]),
+            ("short".to_owned(), vec![row(1)]),
+            ("nothing-yet".to_owned(), vec![]),
+            ("empty-history".to_owned(), vec![]),
+        ]
+        .into();
+        let ends: HashMap<String, u64> = [
+            ("at-end".to_owned(), 2),
+            ("short".to_owned(), 3),
+            ("nothing-yet".to_owned(), 1),
+        ]
+        .into();
+        let mut lagging = behind(&delivered, &ends);
+        lagging.sort();
+        assert_eq!(lagging, ["nothing-yet", "short"]);
     }
 }

@@ -40,6 +40,10 @@ use crate::{
 
 /// History pulls the audit keeps in flight at once.
 pub(crate) const AUDIT_PULLS_IN_FLIGHT: usize = 64;
+/// How long followers behind the end of a history after the load may take
+/// to reach it: longer than the stores' default pending fence (30 s), after
+/// which any reader settles a row whose writer is gone.
+const CATCH_UP: Duration = Duration::from_secs(60);
 
 /// Where the load goes.
 #[derive(Debug, Clone)]
@@ -601,6 +605,19 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
     // The receivers' view: every conversation's stored history.
     // Each conversation is read by one of its members, on that phone's link.
     let histories = pull_histories(&phones, readers(&plan)).await?;
+    // Followers still behind the end of a history (stopped before a row
+    // that was being settled) keep following until they reach it.
+    let delivered = match delivered {
+        Some(mut delivered) => {
+            let ends = histories
+                .iter()
+                .filter_map(|(c, rows)| Some((c.clone(), rows.last()?.seq)))
+                .collect();
+            follow::catch_up(&phones, &readers(&plan), &mut delivered, &ends, CATCH_UP).await;
+            Some(delivered)
+        }
+        None => None,
+    };
     let seconds = (!config.schedule.is_empty()).then(|| Recorded {
         tries: counts.per_second(),
         cpu: cpu_samples,
