@@ -470,6 +470,46 @@ async fn only_service_tokens_in_scope_and_members_get_through() {
     h.cluster.shutdown().await;
 }
 
+/// Calls the API cannot take are `INVALID_ARGUMENT` with the code named,
+/// however they fail: one larger than the server decodes (tonic's own
+/// limit, 4 MiB), and a key HTTP could not carry (it drops the spaces
+/// around a header). Nothing is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_the_api_cannot_take_are_invalid_argument_with_the_code_named() {
+    let Some(h) = start(Kind::Embedded).await else {
+        return;
+    };
+    let token = h.cluster.service_token("orders", &[BOT]).unwrap();
+    let huge = "x".repeat(5 << 20);
+    for (what, key, body) in [
+        ("a 5 MiB call", "big-1", huge.as_str()),
+        ("a key ending in a space", "k ", "hi"),
+        ("a key beginning with a tab", "\tk", "hi"),
+    ] {
+        let status = grpc_call(&h, &token, key, BOT, TO_ANA, body)
+            .await
+            .unwrap_err();
+        assert_eq!(
+            status.code(),
+            tonic::Code::InvalidArgument,
+            "{what}: {status:?}"
+        );
+        assert_eq!(
+            status
+                .metadata()
+                .get(imdedup_gateway::business::grpc::ERROR_CODE_METADATA)
+                .and_then(|v| v.to_str().ok()),
+            Some("invalid_argument"),
+            "{what}: {status:?}"
+        );
+    }
+    assert_eq!(gateway_sends(&h, "stored").await, 0.0);
+    // The key without the space is another call, and goes through.
+    let ok = grpc_call(&h, &token, "k", BOT, TO_ANA, "hi").await.unwrap();
+    assert_eq!(ok.outcome, BusinessOutcome::Stored as i32);
+    h.cluster.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_service_key_the_business_api_is_not_there() {
     let dir = tempfile::tempdir().unwrap();

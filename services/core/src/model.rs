@@ -151,6 +151,15 @@ impl IdempotencyKey {
                 raw.len()
             )));
         }
+        // HTTP drops the spaces and tabs around a header's value, so
+        // "k " could only ever be "k" there: over gRPC too such a key is
+        // refused rather than compared as another key than HTTP's.
+        let blank = |b: &u8| matches!(b, b' ' | b'\t');
+        if raw.first().is_some_and(blank) || raw.last().is_some_and(blank) {
+            return Err(Error::invalid(
+                "idempotency key begins or ends with a space or tab (HTTP headers cannot carry them)",
+            ));
+        }
         Ok(Self(raw))
     }
 
@@ -413,6 +422,17 @@ mod tests {
         assert_eq!(err.kind(), ErrorKind::InvalidArgument);
         assert!(err.message().contains("256 bytes"), "{err}");
         assert!(!format!("{:?}", IdempotencyKey::parse("secret-ish").unwrap()).contains("secret"));
+    }
+
+    #[test]
+    fn an_idempotency_key_http_would_trim_is_refused_not_taken_for_another_key() {
+        for key in [" k", "k ", "\tk", "k\t"] {
+            let err = IdempotencyKey::parse(key).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{key:?}");
+        }
+        // Inside the key they are part of it, as in an HTTP header.
+        let spaced = IdempotencyKey::parse("order 1234").unwrap();
+        assert_eq!(spaced.as_bytes(), b"order 1234");
     }
 
     #[test]

@@ -54,6 +54,33 @@ pub fn status(error: Error) -> Status {
     status
 }
 
+/// A call larger than the server decodes (4 MiB) is answered by tonic
+/// itself, before any handler, as `OUT_OF_RANGE` with no metadata; the API
+/// answers a call it cannot take as `INVALID_ARGUMENT` with the code named,
+/// like any other bad call. tonic answers such a call with its status in
+/// the headers (trailers-only), and no handler of ours answers
+/// `OUT_OF_RANGE`.
+fn too_large_is_invalid<B>(mut response: axum::http::Response<B>) -> axum::http::Response<B> {
+    let headers = response.headers_mut();
+    let out_of_range = (tonic::Code::OutOfRange as i32).to_string();
+    if headers
+        .get("grpc-status")
+        .is_some_and(|status| status.as_bytes() == out_of_range.as_bytes())
+    {
+        headers.insert(
+            "grpc-status",
+            axum::http::HeaderValue::from(tonic::Code::InvalidArgument as i32),
+        );
+        headers.insert(
+            ERROR_CODE_METADATA,
+            axum::http::HeaderValue::from_static(error_code(
+                imdedup_core::ErrorKind::InvalidArgument,
+            )),
+        );
+    }
+    response
+}
+
 #[tonic::async_trait]
 impl BusinessService for BusinessGrpc {
     async fn send(
@@ -103,7 +130,10 @@ pub async fn serve(
     options: ServeOptions,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
-    let routes = tonic::service::Routes::new(BusinessGrpc::new(gateway).into_server());
+    let routes = tonic::service::Routes::new(BusinessGrpc::new(gateway).into_server())
+        .into_axum_router()
+        .layer(tower::util::MapResponseLayer::new(too_large_is_invalid))
+        .into();
     imdedup_core::server::serve_grpc(
         listener,
         &[SERVICE_NAME],
