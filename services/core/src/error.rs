@@ -139,6 +139,9 @@ pub struct Error {
 
 /// The gRPC metadata key that carries [`Error::retry_after`], in ms.
 pub const RETRY_AFTER_METADATA: &str = "imdedup-retry-after-ms";
+/// The gRPC metadata keys that carry [`Error::original`] (`ALREADY_EXISTS`).
+pub const ORIGINAL_SERVER_ID_METADATA: &str = "imdedup-original-server-id";
+pub const ORIGINAL_SEQ_METADATA: &str = "imdedup-original-seq";
 
 impl Error {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
@@ -231,10 +234,13 @@ impl Error {
 impl From<Error> for Status {
     fn from(err: Error) -> Self {
         let mut status = Status::new(err.kind.grpc_code(), err.message);
+        let metadata = status.metadata_mut();
         if err.retry_after_ms > 0 {
-            status
-                .metadata_mut()
-                .insert(RETRY_AFTER_METADATA, err.retry_after_ms.into());
+            metadata.insert(RETRY_AFTER_METADATA, err.retry_after_ms.into());
+        }
+        if let Some(original) = err.original {
+            metadata.insert(ORIGINAL_SERVER_ID_METADATA, original.server_id.into());
+            metadata.insert(ORIGINAL_SEQ_METADATA, original.seq.into());
         }
         status
     }
@@ -246,14 +252,19 @@ impl From<Status> for Error {
             ErrorKind::from_grpc_code(status.code()),
             status.message().to_owned(),
         );
-        let after = status
-            .metadata()
-            .get(RETRY_AFTER_METADATA)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse().ok())
-            .map(Duration::from_millis);
-        match after {
-            Some(after) => error.with_retry_after(after),
+        let number =
+            |key: &str| -> Option<u64> { status.metadata().get(key)?.to_str().ok()?.parse().ok() };
+        let original = (error.kind == ErrorKind::IdReused)
+            .then(|| {
+                Some(Receipt {
+                    server_id: number(ORIGINAL_SERVER_ID_METADATA)?,
+                    seq: number(ORIGINAL_SEQ_METADATA)?,
+                })
+            })
+            .flatten();
+        let error = error.with_original(original);
+        match number(RETRY_AFTER_METADATA) {
+            Some(after) => error.with_retry_after(Duration::from_millis(after)),
             None => error,
         }
     }
@@ -310,5 +321,25 @@ mod tests {
         let back = Error::from(Status::from(busy));
         assert_eq!(back.kind(), ErrorKind::Overloaded);
         assert_eq!(back.retry_after(), Some(Duration::from_millis(250)));
+    }
+
+    #[test]
+    fn a_reused_id_keeps_its_original_through_grpc_status() {
+        let original = Receipt {
+            server_id: 41,
+            seq: 7,
+        };
+        let back = Error::from(Status::from(Error::id_reused(original)));
+        assert_eq!(back.kind(), ErrorKind::IdReused);
+        assert_eq!(back.original(), Some(original));
+        // Only a reused id has one, whatever the metadata says.
+        let mut other = Status::from(Error::new(ErrorKind::Internal, "x"));
+        other
+            .metadata_mut()
+            .insert(ORIGINAL_SERVER_ID_METADATA, 1u64.into());
+        other
+            .metadata_mut()
+            .insert(ORIGINAL_SEQ_METADATA, 1u64.into());
+        assert_eq!(Error::from(other).original(), None);
     }
 }

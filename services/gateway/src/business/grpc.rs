@@ -18,9 +18,9 @@ use crate::Gateway;
 
 /// Metadata of an error: its code as the HTTP API names it.
 pub const ERROR_CODE_METADATA: &str = "imdedup-error-code";
-/// Metadata of `ALREADY_EXISTS` (a reused key): the original message.
-pub const ORIGINAL_SERVER_ID_METADATA: &str = "imdedup-original-server-id";
-pub const ORIGINAL_SEQ_METADATA: &str = "imdedup-original-seq";
+/// Metadata of `ALREADY_EXISTS` (a reused key): the original message
+/// (written by the error's own gRPC codec).
+pub use imdedup_core::error::{ORIGINAL_SEQ_METADATA, ORIGINAL_SERVER_ID_METADATA};
 
 /// Most calls in flight on one client connection.
 const MAX_CALLS_PER_CONNECTION: usize = 256;
@@ -39,18 +39,15 @@ impl BusinessGrpc {
     }
 }
 
-/// The status of an error answer, with the code, the original message of
-/// a reused key and the retry hint in its metadata.
+/// The status of an error answer: the error's own gRPC form (the original
+/// message of a reused key and the retry hint in its metadata), with the
+/// code named as the HTTP API names it.
 pub fn status(error: Error) -> Status {
     let code = error_code(error.kind());
-    let original = error.original();
     let mut status = Status::from(error);
-    let metadata = status.metadata_mut();
-    metadata.insert(ERROR_CODE_METADATA, MetadataValue::from_static(code));
-    if let Some(original) = original {
-        metadata.insert(ORIGINAL_SERVER_ID_METADATA, original.server_id.into());
-        metadata.insert(ORIGINAL_SEQ_METADATA, original.seq.into());
-    }
+    status
+        .metadata_mut()
+        .insert(ERROR_CODE_METADATA, MetadataValue::from_static(code));
     status
 }
 
