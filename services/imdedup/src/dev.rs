@@ -5,6 +5,7 @@ use std::{
     net::SocketAddr,
     path::{Path, PathBuf},
     sync::Arc,
+    time::Duration,
 };
 
 use anyhow::Context;
@@ -18,15 +19,21 @@ use imdedup_core::{clock::SystemClock, secret::redact_url};
 use crate::{authz::AuthzMode, backends::LocalBackendArgs};
 use imdedup_gateway::authz::{Authorizer, GroupsFile};
 
+/// Time given to what is in flight after Ctrl-C or SIGTERM (the services'
+/// default `--grace`).
+const GRACE: Duration = Duration::from_secs(10);
+
 #[derive(Debug, Args)]
 pub struct DevArgs {
     /// Address of the gateway's WebSocket server (and of the business
     /// API's `POST /v1/messages`).
     #[arg(long, default_value = "127.0.0.1:7100")]
     listen: SocketAddr,
-    /// Address of the business API's gRPC server.
-    #[arg(long, default_value = "127.0.0.1:7110")]
-    business_grpc_listen: SocketAddr,
+    /// Address of the business API's gRPC server [default: the --listen
+    /// address with its port + 10 (127.0.0.1:7110), or any free port when
+    /// --listen asks for one (port 0)].
+    #[arg(long)]
+    business_grpc_listen: Option<SocketAddr>,
     /// Directory of the embedded database; kept between runs.
     #[arg(long, default_value = "imdedup-data")]
     data_dir: PathBuf,
@@ -50,7 +57,9 @@ pub struct DevArgs {
 pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     let mut options = ClusterOptions::new(&args.data_dir, Arc::new(SystemClock));
     options.gateway_addr = args.listen;
-    options.business_grpc_addr = args.business_grpc_listen;
+    options.business_grpc_addr = args
+        .business_grpc_listen
+        .unwrap_or_else(|| business_grpc_beside(args.listen));
     options.shards = args.shards;
     args.backends.apply(&mut options)?;
     let groups_file = args
@@ -108,7 +117,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     println!("Business API (service token secret {DEV_SERVICE_TOKEN_SECRET:?}, dev only):");
     println!(
         "  HTTP http://{}/v1/messages   gRPC {} (imdedup.v1.BusinessService)",
-        args.listen,
+        cluster.gateway_addr(),
         cluster.business_grpc_urls().join(" ")
     );
     println!("  service token for {bot} (senders: {bot}): {service_token}");
@@ -122,12 +131,30 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         "  curl -sS http://{}/v1/messages -H 'Authorization: Bearer {service_token}' \\\n    \
          -H 'Idempotency-Key: order-1234:shipped' -H 'Content-Type: application/json' \\\n    \
          -d '{{\"sender\":\"{bot}\",\"conversation\":\"{conversation}\",\"body\":\"Your order shipped\"}}'",
-        args.listen
+        cluster.gateway_addr()
     );
     println!("Ctrl-C stops.");
     crate::shutdown::signal().await;
-    cluster.shutdown().await;
+    // As the standalone services: what is in flight gets a grace period; a
+    // client that keeps an idle connection open does not hold the exit.
+    if tokio::time::timeout(GRACE, cluster.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!(?GRACE, "grace period over, stopping with connections open");
+    }
     Ok(())
+}
+
+/// The business gRPC address that goes with the WebSocket address
+/// `listen`: the same host, port + 10; any free port when `listen` asks for
+/// one, so two dev clusters started with port 0 do not clash.
+fn business_grpc_beside(listen: SocketAddr) -> SocketAddr {
+    let port = match listen.port() {
+        0 => 0,
+        port => port.saturating_add(10),
+    };
+    SocketAddr::new(listen.ip(), port)
 }
 
 /// Write a groups file with one group, `team`, of `users`, unless one is
@@ -143,4 +170,23 @@ fn write_default_groups(path: &Path, users: &[String]) -> anyhow::Result<()> {
     std::fs::write(path, format!("{groups}\n"))
         .with_context(|| format!("cannot write {}", path.display()))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_business_grpc_port_follows_the_websocket_port() {
+        let at = |s: &str| s.parse::<SocketAddr>().unwrap();
+        assert_eq!(
+            business_grpc_beside(at("127.0.0.1:7100")),
+            at("127.0.0.1:7110")
+        );
+        assert_eq!(business_grpc_beside(at("127.0.0.1:0")), at("127.0.0.1:0"));
+        assert_eq!(
+            business_grpc_beside(at("127.0.0.2:9000")),
+            at("127.0.0.2:9010")
+        );
+    }
 }

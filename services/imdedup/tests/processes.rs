@@ -196,6 +196,50 @@ fn services_run_as_separate_processes_and_stop_on_sigterm() {
     assert!(dir.path().join("messages.db").exists());
 }
 
+/// `imdedup dev --listen 127.0.0.1:0` takes free ports for every server it
+/// runs, the business gRPC one too, and prints the ports it took; an idle
+/// connection left open to it does not keep it from stopping on SIGTERM.
+#[test]
+fn dev_on_port_0_takes_free_ports_and_stops_on_sigterm_with_a_connection_idle() {
+    use std::io::{BufRead, BufReader};
+
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("dev");
+    let mut command = common::command(
+        &[
+            "dev",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            data.to_str().unwrap(),
+        ],
+        dir.path(),
+    );
+    command.stdout(std::process::Stdio::piped());
+    let mut child = command.spawn().unwrap();
+    let stdout = BufReader::new(child.stdout.take().unwrap());
+    let line = stdout
+        .lines()
+        .map(Result::unwrap)
+        .find(|line| line.trim_start().starts_with("HTTP http://"))
+        .expect("dev printed its business API addresses");
+    let service = Service::from_child(child);
+    // "HTTP http://ADDR/v1/messages   gRPC http://ADDR (...)"
+    let addrs: Vec<SocketAddr> = line
+        .split_whitespace()
+        .filter_map(|word| word.strip_prefix("http://"))
+        .map(|rest| rest.trim_end_matches("/v1/messages").parse().unwrap())
+        .collect();
+    assert_eq!(addrs.len(), 2, "{line}");
+    for addr in &addrs {
+        assert_ne!(addr.port(), 0, "{line}");
+        wait_listening(*addr);
+    }
+    assert_ne!(addrs[1].port(), 7110, "{line}");
+    let _idle = std::net::TcpStream::connect(addrs[1]).unwrap();
+    assert!(service.terminate().success());
+}
+
 #[test]
 fn named_shards_route_by_name_and_each_ingest_accepts_what_the_gateway_sends_it() {
     let dir = tempfile::tempdir().unwrap();

@@ -107,6 +107,11 @@ impl Service {
         Self(command.spawn().unwrap())
     }
 
+    #[allow(dead_code, reason = "not every test binary reads a service's output")]
+    pub fn from_child(child: Child) -> Self {
+        Self(child)
+    }
+
     #[allow(dead_code, reason = "not every test binary stops services gently")]
     pub fn start(args: &[&str], data_dir: &Path) -> Self {
         Self::spawn(command(args, data_dir))
