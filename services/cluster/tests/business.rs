@@ -510,6 +510,62 @@ async fn calls_the_api_cannot_take_are_invalid_argument_with_the_code_named() {
     h.cluster.shutdown().await;
 }
 
+/// One HTTP/1.1 request written as is; the status and the body.
+async fn raw_http(addr: std::net::SocketAddr, request: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    tcp.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), tcp.read_to_end(&mut answer))
+        .await
+        .expect("answered and closed")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    let status = answer.split(' ').nth(1).unwrap().parse().unwrap();
+    let body = answer
+        .split("\r\n\r\n")
+        .nth(1)
+        .unwrap_or_default()
+        .to_owned();
+    (status, body)
+}
+
+/// What the HTTP layer itself answers (no such path, a method a path does
+/// not take, a plain GET where a WebSocket upgrade belongs) is JSON like
+/// every other error, with a code.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateways_own_http_errors_are_json_with_a_code() {
+    let Some(h) = start(Kind::Embedded).await else {
+        return;
+    };
+    let addr = h.cluster.gateway_addr();
+    for (request, status, code) in [
+        (
+            "GET /nope HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+            404,
+            "not_found",
+        ),
+        (
+            "GET /v1/messages HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+            405,
+            "method_not_allowed",
+        ),
+        (
+            "GET /v1/ws?token=x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+            400,
+            "invalid_argument",
+        ),
+    ] {
+        let (got, body) = raw_http(addr, request).await;
+        assert_eq!(got, status, "{request:?}: {body}");
+        let json: serde_json::Value = serde_json::from_str(&body)
+            .unwrap_or_else(|e| panic!("{request:?}: not JSON ({e}): {body:?}"));
+        assert_eq!(json["code"], code, "{body}");
+        assert_eq!(json["retryable"], false, "{body}");
+    }
+    h.cluster.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_service_key_the_business_api_is_not_there() {
     let dir = tempfile::tempdir().unwrap();

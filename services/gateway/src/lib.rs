@@ -24,7 +24,10 @@ use std::{
 use admission::{Admission, AdmissionOptions, Pass};
 use axum::{
     Json, Router,
-    extract::{ConnectInfo, Query, State, WebSocketUpgrade},
+    extract::{
+        ConnectInfo, Query, State, WebSocketUpgrade, rejection::QueryRejection,
+        ws::rejection::WebSocketUpgradeRejection,
+    },
     http::{HeaderMap, StatusCode, header},
     response::{IntoResponse, Response},
     routing::{get, post},
@@ -234,7 +237,33 @@ fn router(state: AppState) -> Router {
         .route("/v1/messages", post(business_message))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
+        .fallback(|| async {
+            json_error(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                "no such path: the gateway serves /v1/ws, /v1/messages, /healthz and /readyz",
+            )
+        })
+        .method_not_allowed_fallback(|| async {
+            json_error(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                "method not allowed: /v1/ws is GET (a WebSocket upgrade), /v1/messages is POST",
+            )
+        })
         .with_state(state)
+}
+
+/// An answer of the HTTP layer itself (no such path, a method or request
+/// the route does not take), in the same JSON as every other error.
+fn json_error(status: StatusCode, code: &str, message: &str) -> Response {
+    let body = serde_json::json!({
+        "type": "error",
+        "code": code,
+        "retryable": false,
+        "message": message,
+    });
+    (status, Json(body)).into_response()
 }
 
 async fn ready(State(state): State<AppState>) -> Response {
@@ -284,10 +313,19 @@ async fn upgrade(
     State(state): State<AppState>,
     ConnectInfo(admission): ConnectInfo<ConnectionAdmission>,
     headers: HeaderMap,
-    Query(query): Query<HashMap<String, String>>,
-    ws: WebSocketUpgrade,
+    query: Result<Query<HashMap<String, String>>, QueryRejection>,
+    ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
     let gateway = &state.gateway;
+    let (Ok(Query(query)), Ok(ws)) = (query, ws) else {
+        return json_error(
+            StatusCode::BAD_REQUEST,
+            "invalid_argument",
+            "/v1/ws takes a WebSocket upgrade (GET with Connection: upgrade, Upgrade: websocket, \
+             Sec-WebSocket-Version: 13 and a Sec-WebSocket-Key), with ?token=<token> or \
+             Authorization: Bearer <token>",
+        );
+    };
     if state.shutdown.is_cancelled() {
         return refuse(
             StatusCode::SERVICE_UNAVAILABLE,
