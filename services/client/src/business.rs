@@ -233,6 +233,34 @@ pub fn read_answer(reply: &HttpReply) -> Result<BusinessAck, BusinessError> {
     })
 }
 
+/// The largest reply body taken (the gateway's are a few hundred bytes).
+const MAX_REPLY_BYTES: usize = 1 << 20;
+/// The longest status, header or chunk-size line taken.
+const MAX_LINE_BYTES: u64 = 16 * 1024;
+
+/// Read one line of at most [`MAX_LINE_BYTES`] into `line`; the bytes read
+/// (0 at the end of the stream).
+async fn read_line(connection: &mut Connection, line: &mut String) -> Result<usize, ClientError> {
+    let read = (&mut *connection)
+        .take(MAX_LINE_BYTES)
+        .read_line(line)
+        .await
+        .map_err(|e| ClientError::Connect(e.to_string()))?;
+    if read as u64 == MAX_LINE_BYTES && !line.ends_with('\n') {
+        return Err(ClientError::Connect(format!(
+            "a reply line longer than {MAX_LINE_BYTES} bytes"
+        )));
+    }
+    Ok(read)
+}
+
+/// A reply body (or the part of it announced so far) over the limit.
+fn too_large(size: usize) -> ClientError {
+    ClientError::Connect(format!(
+        "a reply body of {size} bytes or more, over the limit of {MAX_REPLY_BYTES}"
+    ))
+}
+
 async fn round_trip(
     mut connection: Connection,
     request: &[u8],
@@ -240,7 +268,7 @@ async fn round_trip(
     let io = |e: std::io::Error| ClientError::Connect(e.to_string());
     connection.get_mut().write_all(request).await.map_err(io)?;
     let mut line = String::new();
-    if connection.read_line(&mut line).await.map_err(io)? == 0 {
+    if read_line(&mut connection, &mut line).await? == 0 {
         return Err(ClientError::Closed);
     }
     let status = line
@@ -251,7 +279,7 @@ async fn round_trip(
     let mut headers = Vec::new();
     loop {
         line.clear();
-        if connection.read_line(&mut line).await.map_err(io)? == 0 {
+        if read_line(&mut connection, &mut line).await? == 0 {
             return Err(ClientError::Closed);
         }
         let header = line.trim_end();
@@ -272,21 +300,41 @@ async fn round_trip(
     if find("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked")) {
         loop {
             line.clear();
-            connection.read_line(&mut line).await.map_err(io)?;
+            read_line(&mut connection, &mut line).await?;
             let size = usize::from_str_radix(line.trim().split(';').next().unwrap_or(""), 16)
                 .map_err(|e| ClientError::Connect(format!("bad chunk size {line:?}: {e}")))?;
-            let mut chunk = vec![0; size + 2];
-            connection.read_exact(&mut chunk).await.map_err(io)?;
+            let total = body.len().saturating_add(size);
+            if total > MAX_REPLY_BYTES {
+                return Err(too_large(total));
+            }
+            // The chunk and its CRLF.
+            let start = body.len();
+            body.resize(total + 2, 0);
+            connection
+                .read_exact(&mut body[start..])
+                .await
+                .map_err(io)?;
+            body.truncate(total);
             if size == 0 {
                 break;
             }
-            body.extend_from_slice(&chunk[..size]);
         }
     } else if let Some(length) = find("content-length").and_then(|v| v.parse::<usize>().ok()) {
+        if length > MAX_REPLY_BYTES {
+            return Err(too_large(length));
+        }
         body.resize(length, 0);
         connection.read_exact(&mut body).await.map_err(io)?;
     } else {
-        connection.read_to_end(&mut body).await.map_err(io)?;
+        let limit = MAX_REPLY_BYTES as u64 + 1;
+        (&mut connection)
+            .take(limit)
+            .read_to_end(&mut body)
+            .await
+            .map_err(io)?;
+        if body.len() > MAX_REPLY_BYTES {
+            return Err(too_large(body.len()));
+        }
     }
     Ok((
         HttpReply {
@@ -362,5 +410,71 @@ impl BusinessHttp {
             tokio::time::sleep(wait).await;
         }
         retried
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::net::TcpListener;
+
+    use super::*;
+
+    /// A server that answers every request with `reply`, then closes.
+    async fn answering(reply: &'static [u8]) -> String {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut tcp, _) = listener.accept().await.unwrap();
+            let mut request = [0u8; 1024];
+            let _ = tcp.read(&mut request).await;
+            let _ = tcp.write_all(reply).await;
+        });
+        format!("http://{addr}")
+    }
+
+    async fn post_to(reply: &'static [u8]) -> Result<HttpReply, ClientError> {
+        BusinessHttp::new(&answering(reply).await, "t")
+            .post("/v1/messages", &[], b"{}")
+            .await
+    }
+
+    #[tokio::test]
+    async fn a_reply_is_read_whole_when_it_is_in_bounds() {
+        let reply = post_to(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
+            .await
+            .unwrap();
+        assert_eq!((reply.status, reply.body.as_slice()), (200, &b"abcde"[..]));
+        let reply = post_to(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            .await
+            .unwrap();
+        assert_eq!(reply.body, b"ok");
+    }
+
+    #[tokio::test]
+    async fn a_peer_announcing_a_huge_body_gets_an_error_not_an_allocation_or_a_panic() {
+        for reply in [
+            &b"HTTP/1.1 200 OK\r\nContent-Length: 999999999999\r\n\r\n"[..],
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffffffff\r\n",
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n100001\r\n",
+        ] {
+            let reply: &'static [u8] = reply;
+            match post_to(reply).await {
+                Err(ClientError::Connect(why)) => assert!(why.contains("over the limit"), "{why}"),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn an_endless_header_line_is_refused() {
+        static LONG: std::sync::LazyLock<Vec<u8>> = std::sync::LazyLock::new(|| {
+            let mut reply = b"HTTP/1.1 200 OK\r\nX: ".to_vec();
+            reply.resize(100_000, b'x');
+            reply
+        });
+        match post_to(LONG.as_slice()).await {
+            Err(ClientError::Connect(why)) => assert!(why.contains("longer than"), "{why}"),
+            other => panic!("{other:?}"),
+        }
     }
 }
