@@ -193,6 +193,26 @@ impl Ownership {
 mod tests {
     use super::*;
 
+    /// `stable_hash` decides which shard owns a conversation, which Redis
+    /// bucket holds an ID and the fingerprint stored beside it: a change of
+    /// these values would, in a rolling upgrade, route a conversation to two
+    /// shards at once and answer resends with false `id_reused`. Pinned.
+    #[test]
+    fn stable_hash_gives_the_same_values_in_every_release() {
+        let golden: [(&[&[u8]], u64); 7] = [
+            (&[], 0xf52a_15e9_a9b5_e89b),
+            (&[b""], 0x813f_0174_a236_7c13),
+            (&[b"ingest-0", b"dm:ana:ben"], 0x485c_21e7_afdb_565d),
+            (&[b"ingest-1", b"dm:ana:ben"], 0x3af8_543f_eed4_4ff7),
+            (&[b"ab", b"c"], 0x482f_6f54_3bbc_5465),
+            (&[b"a", b"bc"], 0x461d_2521_4179_d9fb),
+            (&[b"ana\0m-1"], 0x9ddb_dc07_d0df_4dae),
+        ];
+        for (parts, value) in golden {
+            assert_eq!(stable_hash(parts), value, "{parts:?}");
+        }
+    }
+
     fn conv(i: usize) -> ConversationId {
         ConversationId::parse(format!("conversation-{i}")).unwrap()
     }
