@@ -137,6 +137,12 @@ struct LeaseLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StoreRequestLabels {
+    db_system: &'static str,
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StoreOperationLabels {
     db_system: &'static str,
     operation: &'static str,
@@ -625,6 +631,7 @@ impl IngestMetrics {
 #[derive(Clone)]
 pub struct StoreMetrics {
     inserts: Family<StoreResultLabels, Counter>,
+    requests: Family<StoreRequestLabels, Counter>,
     leases: Family<LeaseLabels, Counter>,
     errors: Family<StoreOperationLabels, Counter>,
     operations: Durations<StoreOperationLabels>,
@@ -634,6 +641,7 @@ impl Default for StoreMetrics {
     fn default() -> Self {
         Self {
             inserts: Family::default(),
+            requests: Family::default(),
             leases: Family::default(),
             errors: Family::default(),
             operations: durations(),
@@ -648,6 +656,11 @@ impl StoreMetrics {
             "imdedup_store_inserts",
             "Conditional inserts by result (applied, not_applied)",
             m.inserts.clone(),
+        );
+        registry.register(
+            "imdedup_store_requests",
+            "Database requests by kind (lwt, write, read, serial_read): what messages cost the database",
+            m.requests.clone(),
         );
         registry.register(
             "imdedup_store_seq_leases",
@@ -685,6 +698,12 @@ impl StoreMetrics {
             }));
         }
         if db_system == DB_CASSANDRA {
+            for kind in ["lwt", "write", "read", "serial_read"] {
+                drop(
+                    self.requests
+                        .get_or_create(&StoreRequestLabels { db_system, kind }),
+                );
+            }
             for kind in ["conversation", "server_id"] {
                 for result in ["leased", "contended"] {
                     drop(self.leases.get_or_create(&LeaseLabels {
@@ -703,6 +722,21 @@ impl StoreMetrics {
         self.inserts
             .get_or_create(&StoreResultLabels { db_system, result })
             .inc();
+    }
+
+    /// One request of `kind` (lwt, write, read, serial_read) sent to the
+    /// database.
+    pub fn requested(&self, db_system: &'static str, kind: &'static str) {
+        self.requests
+            .get_or_create(&StoreRequestLabels { db_system, kind })
+            .inc();
+    }
+
+    /// Requests of `kind` sent so far (for benchmarks and tests).
+    pub fn requests(&self, db_system: &'static str, kind: &'static str) -> u64 {
+        self.requests
+            .get_or_create(&StoreRequestLabels { db_system, kind })
+            .get()
     }
 
     /// A lease attempt on `kind` (conversation or server_id): won, or lost

@@ -26,6 +26,7 @@ use std::{
 
 use async_trait::async_trait;
 use futures_util::{StreamExt, stream};
+use imdedup_core::metrics::DB_CASSANDRA;
 use imdedup_core::{
     Error,
     model::{
@@ -36,7 +37,7 @@ use imdedup_core::{
     window::{Claim, RecentWindow},
 };
 use imdedup_ingest::{Dedup, RedisWindow, RedisWindowOptions};
-use imdedup_storage::{ScyllaOptions, ScyllaStore, scylla};
+use imdedup_storage::{ScyllaOptions, ScyllaStore, scylla, scylla::RequestKind};
 
 fn env_or(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -54,6 +55,16 @@ fn median(values: &mut [f64]) -> f64 {
     } else {
         values[mid]
     }
+}
+
+/// The store's database requests so far, by kind (as `RequestKind::ALL`).
+fn requests(options: &ScyllaOptions) -> [u64; 4] {
+    RequestKind::ALL.map(|kind| options.metrics.requests(DB_CASSANDRA, kind.as_str()))
+}
+
+/// Requests of each kind between two counts, per message.
+fn per_message(before: [u64; 4], after: [u64; 4], messages: usize) -> [f64; 4] {
+    std::array::from_fn(|k| (after[k] - before[k]) as f64 / messages as f64)
 }
 
 fn required(name: &str) -> String {
@@ -201,13 +212,28 @@ async fn main() {
     let _ = pipeline(format!("pwarm{run}"), warmup).await;
     let rounds = env_or("BENCH_ROUNDS", 5).max(1);
     let (mut ceilings, mut pipelines, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    // What the pipeline's new messages cost the database, every request the
+    // store sent counted (seq and server-id leases and the membership's
+    // heartbeats included, spread over the messages).
+    let mut new_requests = [0u64; 4];
     for round in 0..rounds {
         let (raw_prefix, pipeline_prefix) = (format!("raw{round}{run}"), format!("p{round}{run}"));
+        let counted = |rate: f64, before: [u64; 4], new_requests: &mut [u64; 4]| {
+            let after = requests(&options);
+            for k in 0..4 {
+                new_requests[k] += after[k] - before[k];
+            }
+            rate
+        };
         let (ceiling, rate) = if round % 2 == 0 {
             let ceiling = raw(raw_prefix, messages).await;
-            (ceiling, pipeline(pipeline_prefix, messages).await)
-        } else {
+            let before = requests(&options);
             let rate = pipeline(pipeline_prefix, messages).await;
+            (ceiling, counted(rate, before, &mut new_requests))
+        } else {
+            let before = requests(&options);
+            let rate = pipeline(pipeline_prefix, messages).await;
+            let rate = counted(rate, before, &mut new_requests);
             (raw(raw_prefix, messages).await, rate)
         };
         println!(
@@ -231,7 +257,14 @@ async fn main() {
         ratios[ratios.len() - 1],
     );
 
+    let per_new = per_message([0; 4], new_requests, messages * rounds);
+    println!(
+        "   per new message: LWT {:.3}, writes {:.3}, reads {:.3}, serial reads {:.3} (every request the store sent, leases and heartbeats included; goal <= 1 LWT + 1 write)",
+        per_new[0], per_new[1], per_new[2], per_new[3]
+    );
+
     // 3. Every message again, inside the window.
+    let requests_before = requests(&options);
     let inserts_before = store.inserts.load(Ordering::Relaxed);
     let caught = AtomicU64::new(0);
     let last = format!("p{}{run}", rounds - 1);
@@ -248,6 +281,9 @@ async fn main() {
         })
         .await;
     let db_ops = store.inserts.load(Ordering::Relaxed) - inserts_before;
+    let per_repeat: f64 = per_message(requests_before, requests(&options), messages)
+        .iter()
+        .sum();
     let without_db = messages as u64 - db_ops;
     println!(
         "3. in-window repeats without a DB operation: {without_db}/{messages} = {:.1}% ({} window hits, {db_ops} store calls; goal 100%)",
@@ -323,6 +359,12 @@ async fn main() {
     println!(
         "   at the book's v3 window (4.2 million IDs): {:.0} MB",
         per_id * 4.2e6 / 1e6
+    );
+    println!(
+        "pipeline {ratio:.2} of the ceiling; per new message: LWT {:.2}, writes {:.2}, reads {:.2}; per in-window repeat: {per_repeat:.2} requests",
+        per_new[0],
+        per_new[1],
+        per_new[2] + per_new[3],
     );
     let _: () = redis::cmd("FLUSHDB").query_async(&mut conn).await.unwrap();
     session

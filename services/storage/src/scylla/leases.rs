@@ -35,11 +35,9 @@ impl Inner {
             let (start, reply) = match &known {
                 None => (
                     1,
-                    self.session
-                        .execute_unpaged(
-                            &self.statements.lease_seq_init,
-                            ("seq", conversation, to_i64(1 + size), me),
-                        )
+                    self.statements
+                        .lease_seq_init
+                        .execute(&self.session, ("seq", conversation, to_i64(1 + size), me))
                         .await,
                 ),
                 Some((start, owner)) => {
@@ -55,9 +53,10 @@ impl Inner {
                     }
                     (
                         *start,
-                        self.session
-                            .execute_unpaged(
-                                &self.statements.lease_seq_take,
+                        self.statements
+                            .lease_seq_take
+                            .execute(
+                                &self.session,
                                 (
                                     to_i64(start + size),
                                     me,
@@ -123,18 +122,17 @@ impl Inner {
             let (start, reply) = match known {
                 None => (
                     1,
-                    self.session
-                        .execute_unpaged(
-                            &self.statements.lease_init,
-                            (scope, name, to_i64(1 + size)),
-                        )
+                    self.statements
+                        .lease_init
+                        .execute(&self.session, (scope, name, to_i64(1 + size)))
                         .await,
                 ),
                 Some(start) => (
                     start,
-                    self.session
-                        .execute_unpaged(
-                            &self.statements.lease_cas,
+                    self.statements
+                        .lease_cas
+                        .execute(
+                            &self.session,
                             (to_i64(start + size), scope, name, to_i64(start)),
                         )
                         .await,

@@ -32,7 +32,9 @@ use std::{
 };
 
 use imdedup_core::Error;
-use scylla::{client::session::Session, statement::prepared::PreparedStatement, value::CqlValue};
+use scylla::{client::session::Session, value::CqlValue};
+
+use super::requests::{Counted, RequestKind};
 use tokio::task::JoinHandle;
 
 use super::{
@@ -56,8 +58,8 @@ pub(super) struct Membership {
     name: String,
     joined: std::time::Instant,
     session: Arc<Session>,
-    heartbeat: PreparedStatement,
-    alive: PreparedStatement,
+    heartbeat: Counted,
+    alive: Counted,
     ttl: Duration,
     /// Writes may start until then (unix ms).
     writable_until: AtomicI64,
@@ -101,8 +103,8 @@ impl Membership {
             name: options.member_name.clone(),
             joined: std::time::Instant::now(),
             session,
-            heartbeat,
-            alive,
+            heartbeat: Counted::new(heartbeat, RequestKind::Write, &options.metrics),
+            alive: Counted::new(alive, RequestKind::Read, &options.metrics),
             ttl: options.member_ttl,
             writable_until: AtomicI64::new(0),
             left: AtomicBool::new(false),
@@ -147,11 +149,8 @@ impl Membership {
         let started = unix_millis();
         let until = started + millis(self.ttl);
         let row_ttl = i32::try_from((self.ttl + self.grace).as_secs() * 2 + 1).unwrap_or(i32::MAX);
-        self.session
-            .execute_unpaged(
-                &self.heartbeat,
-                (&self.instance, &self.name, until, row_ttl),
-            )
+        self.heartbeat
+            .execute(&self.session, (&self.instance, &self.name, until, row_ttl))
             .await
             .map_err(|e| db_error("heartbeat", e))?;
         // A write started before `until - request_timeout` has ended
@@ -191,8 +190,8 @@ impl Membership {
             return Ok(false);
         }
         let result = self
-            .session
-            .execute_unpaged(&self.alive, (instance,))
+            .alive
+            .execute(&self.session, (instance,))
             .await
             .map_err(|e| db_error("membership", e))?;
         let until = rows(result)?
@@ -218,11 +217,8 @@ impl Membership {
         }
         let row_ttl = i32::try_from(self.grace.as_secs() * 2 + 1).unwrap_or(i32::MAX);
         match self
-            .session
-            .execute_unpaged(
-                &self.heartbeat,
-                (&self.instance, &self.name, 0_i64, row_ttl),
-            )
+            .heartbeat
+            .execute(&self.session, (&self.instance, &self.name, 0_i64, row_ttl))
             .await
         {
             Ok(_) => tracing::info!(instance = %self.instance, "relinquished membership"),

@@ -29,6 +29,7 @@ mod leases;
 mod members;
 mod options;
 mod publish;
+mod requests;
 mod rows;
 mod schema;
 mod session;
@@ -45,32 +46,34 @@ use imdedup_core::{
     model::{HistoryQuery, MessageKey, NewMessage, Receipt, StoredMessage},
     store::{Insert, MessageStore},
 };
-use scylla::{client::session::Session, statement::prepared::PreparedStatement};
+use scylla::client::session::Session;
 use tokio::sync::Mutex;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 pub use options::{Faults, ScyllaOptions, parse_consistency, parse_serial_consistency};
+pub use requests::RequestKind;
 pub use schema::{is_scylla, migrate};
 pub use session::connect;
 
 use crate::locks::LockTable;
 use members::Membership;
 use options::check_keyspace_name;
+use requests::Counted;
 use rows::{db_error, lwt, maybe_stored, rows, to_i64, to_message};
 
 struct Statements {
-    insert_key: PreparedStatement,
-    insert_pending: PreparedStatement,
-    commit_history: PreparedStatement,
-    abandon_history: PreparedStatement,
-    select_key: PreparedStatement,
-    select_key_serial: PreparedStatement,
-    history: PreparedStatement,
-    lease_init: PreparedStatement,
-    lease_cas: PreparedStatement,
-    lease_seq_init: PreparedStatement,
-    lease_seq_take: PreparedStatement,
+    insert_key: Counted,
+    insert_pending: Counted,
+    commit_history: Counted,
+    abandon_history: Counted,
+    select_key: Counted,
+    select_key_serial: Counted,
+    history: Counted,
+    lease_init: Counted,
+    lease_cas: Counted,
+    lease_seq_init: Counted,
+    lease_seq_take: Counted,
 }
 
 /// A half-open range of numbers this process may hand out.
@@ -149,7 +152,7 @@ impl ScyllaStore {
     ) -> Result<Self, Error> {
         check_keyspace_name(&options.keyspace)?;
         let ks = &options.keyspace;
-        let prepare = |cql: String, lwt: bool| {
+        let prepare = |cql: String, kind: RequestKind| {
             let session = Arc::clone(&session);
             let options = options.clone();
             async move {
@@ -159,35 +162,42 @@ impl ScyllaStore {
                     .map_err(|e| db_error("prepare", e))?;
                 statement.set_consistency(options.consistency);
                 statement.set_request_timeout(Some(options.request_timeout));
-                if lwt {
-                    statement.set_serial_consistency(Some(options.serial_consistency));
-                } else {
-                    statement.set_is_idempotent(true);
+                match kind {
+                    RequestKind::Lwt => {
+                        statement.set_serial_consistency(Some(options.serial_consistency));
+                    }
+                    RequestKind::SerialRead => {
+                        // A read at SERIAL: settles a Paxos round in flight.
+                        statement.set_consistency(match options.serial_consistency {
+                            scylla::statement::SerialConsistency::Serial => {
+                                scylla::statement::Consistency::Serial
+                            }
+                            scylla::statement::SerialConsistency::LocalSerial => {
+                                scylla::statement::Consistency::LocalSerial
+                            }
+                        });
+                        statement.set_is_idempotent(true);
+                    }
+                    RequestKind::Write | RequestKind::Read => statement.set_is_idempotent(true),
                 }
-                Ok::<_, Error>(statement)
+                Ok::<_, Error>(Counted::new(statement, kind, &options.metrics))
             }
         };
         const COLUMNS: &str =
             "sender, client_msg_id, conversation, body, server_id, seq, stored_at_ms";
-        let mut serial = prepare(
+        let serial = prepare(
             format!(
                 "SELECT {COLUMNS} FROM {ks}.messages_by_key WHERE sender = ? AND client_msg_id = ?"
             ),
-            false,
+            RequestKind::SerialRead,
         )
         .await?;
-        serial.set_consistency(match options.serial_consistency {
-            scylla::statement::SerialConsistency::Serial => scylla::statement::Consistency::Serial,
-            scylla::statement::SerialConsistency::LocalSerial => {
-                scylla::statement::Consistency::LocalSerial
-            }
-        });
         let statements = Statements {
             insert_key: prepare(
                 format!(
                     "INSERT INTO {ks}.messages_by_key ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?) IF NOT EXISTS"
                 ),
-                true,
+                RequestKind::Lwt,
             )
             .await?,
             insert_pending: prepare(
@@ -195,7 +205,7 @@ impl ScyllaStore {
                     "INSERT INTO {ks}.messages_by_conversation ({COLUMNS}, pending, abandoned) \
                      VALUES (?, ?, ?, ?, ?, ?, ?, true, false)"
                 ),
-                false,
+                RequestKind::Write,
             )
             .await?,
             commit_history: prepare(
@@ -203,7 +213,7 @@ impl ScyllaStore {
                     "INSERT INTO {ks}.messages_by_conversation ({COLUMNS}, committed) \
                      VALUES (?, ?, ?, ?, ?, ?, ?, true)"
                 ),
-                false,
+                RequestKind::Write,
             )
             .await?,
             abandon_history: prepare(
@@ -211,13 +221,13 @@ impl ScyllaStore {
                     "UPDATE {ks}.messages_by_conversation SET abandoned = true \
                      WHERE conversation = ? AND seq = ?"
                 ),
-                false,
+                RequestKind::Write,
             )
             .await?,
             select_key_serial: serial,
             select_key: prepare(
                 format!("SELECT {COLUMNS} FROM {ks}.messages_by_key WHERE sender = ? AND client_msg_id = ?"),
-                false,
+                RequestKind::Read,
             )
             .await?,
             history: prepare(
@@ -226,17 +236,17 @@ impl ScyllaStore {
                      FROM {ks}.messages_by_conversation \
                      WHERE conversation = ? AND seq > ? ORDER BY seq ASC LIMIT ?"
                 ),
-                false,
+                RequestKind::Read,
             )
             .await?,
             lease_init: prepare(
                 format!("INSERT INTO {ks}.leases (scope, name, next_free) VALUES (?, ?, ?) IF NOT EXISTS"),
-                true,
+                RequestKind::Lwt,
             )
             .await?,
             lease_cas: prepare(
                 format!("UPDATE {ks}.leases SET next_free = ? WHERE scope = ? AND name = ? IF next_free = ?"),
-                true,
+                RequestKind::Lwt,
             )
             .await?,
             lease_seq_init: prepare(
@@ -244,7 +254,7 @@ impl ScyllaStore {
                     "INSERT INTO {ks}.leases (scope, name, next_free, owner) \
                      VALUES (?, ?, ?, ?) IF NOT EXISTS"
                 ),
-                true,
+                RequestKind::Lwt,
             )
             .await?,
             lease_seq_take: prepare(
@@ -252,7 +262,7 @@ impl ScyllaStore {
                     "UPDATE {ks}.leases SET next_free = ?, owner = ? \
                      WHERE scope = ? AND name = ? IF next_free = ? AND owner = ?"
                 ),
-                true,
+                RequestKind::Lwt,
             )
             .await?,
         };
@@ -355,8 +365,9 @@ impl Inner {
             return Err(Error::unavailable("the database is slow; retry"));
         }
         let reply = self
-            .session
-            .execute_unpaged(&self.statements.insert_key, columns(&row))
+            .statements
+            .insert_key
+            .execute(&self.session, columns(&row))
             .instrument(tracing::info_span!(
                 "cassandra.lwt",
                 otel.name = "INSERT messages_by_key",
@@ -428,9 +439,10 @@ impl ScyllaStore {
     async fn lookup_uncounted(&self, key: &MessageKey) -> Result<Option<StoredMessage>, Error> {
         let result = self
             .inner
-            .session
-            .execute_unpaged(
-                &self.inner.statements.select_key,
+            .statements
+            .select_key
+            .execute(
+                &self.inner.session,
                 (key.sender.as_str(), key.client_msg_id.as_bytes()),
             )
             .await

@@ -58,8 +58,9 @@ impl Inner {
     /// Write `row` pending, before its LWT. A failure means nothing is
     /// stored: the LWT is never sent.
     pub(super) async fn write_pending(&self, row: &StoredMessage) -> Result<(), Error> {
-        self.session
-            .execute_unpaged(&self.statements.insert_pending, columns(row))
+        self.statements
+            .insert_pending
+            .execute(&self.session, columns(row))
             .await
             .map_err(|e| db_error("pending history write", e))?;
         Ok(())
@@ -71,8 +72,9 @@ impl Inner {
         if self.options.faults.commit_fails() {
             return Err(maybe_stored("history commit", "injected fault"));
         }
-        self.session
-            .execute_unpaged(&self.statements.commit_history, columns(row))
+        self.statements
+            .commit_history
+            .execute(&self.session, columns(row))
             .await
             // The key is stored; the history row stays pending until the
             // resend (or a reader, after the fence) commits it.
@@ -82,9 +84,10 @@ impl Inner {
 
     /// Mark `row`'s seq as never used: its key was not stored with it.
     pub(super) async fn abandon(&self, row: &StoredMessage) -> Result<(), Error> {
-        self.session
-            .execute_unpaged(
-                &self.statements.abandon_history,
+        self.statements
+            .abandon_history
+            .execute(
+                &self.session,
                 (row.conversation.as_str(), to_i64(row.receipt.seq)),
             )
             .await
@@ -100,9 +103,10 @@ impl Inner {
     ) -> Result<Vec<StoredMessage>, Error> {
         let limit = i32::try_from(query.limit).unwrap_or(i32::MAX);
         let result = self
-            .session
-            .execute_unpaged(
-                &self.statements.history,
+            .statements
+            .history
+            .execute(
+                &self.session,
                 (query.conversation.as_str(), to_i64(query.after_seq), limit),
             )
             .await
@@ -141,9 +145,10 @@ impl Inner {
         // first, so "absent" here is final (the fence has passed, no new
         // LWT for this row can start).
         let result = self
-            .session
-            .execute_unpaged(
-                &self.statements.select_key_serial,
+            .statements
+            .select_key_serial
+            .execute(
+                &self.session,
                 (
                     pending.key.sender.as_str(),
                     pending.key.client_msg_id.as_bytes(),
