@@ -178,7 +178,11 @@ impl Gateway {
             return Ok(AdmittedSend::Join(follower));
         }
         let pass = self.admit(sender, &cmd.id)?;
-        if self.admitted.fetch_add(1, Ordering::Relaxed) % 256 == 0 {
+        if self
+            .admitted
+            .fetch_add(1, Ordering::Relaxed)
+            .is_multiple_of(256)
+        {
             self.metrics
                 .set_admission(self.admission.limit(), self.admission.booked());
         }

@@ -16,7 +16,7 @@
 
 use std::{
     collections::HashMap,
-    hash::{BuildHasher, Hash, Hasher, RandomState},
+    hash::{BuildHasher, RandomState},
     sync::{Arc, Mutex, PoisonError},
 };
 
@@ -70,13 +70,9 @@ impl InFlightSends {
     }
 
     pub fn key(&self, sender: &str, id: &[u8], conversation: &str, body: &str) -> SendKey {
-        let mut key = self.keys.build_hasher();
-        (sender, id).hash(&mut key);
-        let mut content = self.contents.build_hasher();
-        (sender, id, conversation, body).hash(&mut content);
         SendKey {
-            key: key.finish(),
-            content: content.finish(),
+            key: self.keys.hash_one((sender, id)),
+            content: self.contents.hash_one((sender, id, conversation, body)),
         }
     }
 
