@@ -3,7 +3,10 @@
 # a single-node Apache Cassandra 5.0 (CQL stand-in for ScyllaDB), all on
 # 127.0.0.1. See deploy/local/README.md.
 #
-#   services.sh up [--redis] [--cassandra] [--redis-cluster]   (default: redis + cassandra)
+#   services.sh up [--redis] [--cassandra] [--redis-cluster] [--cassandra-cluster]
+#                  (default: redis + cassandra; --cassandra-cluster: three
+#                  Cassandra nodes on 127.0.0.1-3, opt-in, also restarts a
+#                  node of it that was stopped, keeping its data)
 #   services.sh down [--purge]
 #   services.sh status
 #   services.sh env
@@ -29,6 +32,13 @@ CASS_XMS=${IMDEDUP_CASSANDRA_XMS:-256m}
 CASS_XMX=${IMDEDUP_CASSANDRA_XMX:-1g}
 CASS_KEEP_DATA=${IMDEDUP_CASSANDRA_KEEP_DATA:-0}
 CASS_MLOCK=${IMDEDUP_CASSANDRA_MLOCK:-0}                 # 1: let Cassandra mlockall() its memory
+# The opt-in three-node cluster: one node per loopback address, the same ports.
+CLUSTER_CQL_PORT=${IMDEDUP_CLUSTER_CQL_PORT:-9242}
+CLUSTER_STORAGE_PORT=${IMDEDUP_CLUSTER_STORAGE_PORT:-7290}
+CLUSTER_XMX=${IMDEDUP_CLUSTER_XMX:-768m}
+CLUSTER_HOSTS=(127.0.0.1 127.0.0.2 127.0.0.3)
+# Evenly spread single tokens, so each node owns a third before replication.
+CLUSTER_TOKENS=(-9223372036854775808 -3074457345618258603 3074457345618258602)
 START_TIMEOUT=${IMDEDUP_START_TIMEOUT:-180}
 STOP_TIMEOUT=${IMDEDUP_STOP_TIMEOUT:-30}
 
@@ -38,7 +48,7 @@ now() { date +%s.%N; }
 elapsed() { LC_ALL=C awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
 
 usage() {
-  sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
   exit "${1:-2}"
 }
 
@@ -432,7 +442,7 @@ up_cassandra() {
   mkdir -p "$dir"/{data,commitlog,saved_caches,hints,cdc_raw,logs,triggers}
   echo "$port" >"$dir/port"
   render "$HERE/cassandra.yaml.in" "$dir/cassandra.yaml" DIR="$dir" LISTEN="$HOST" \
-    STORAGE_PORT="$CASS_STORAGE_PORT" CQL_PORT="$port"
+    STORAGE_PORT="$CASS_STORAGE_PORT" CQL_PORT="$port" TOKEN=0 SEEDS="$HOST:$CASS_STORAGE_PORT"
   render "$HERE/logback.xml.in" "$dir/logback.xml" LOGDIR="$dir/logs"
   cass_jvm_opts "$dir"
   # Cassandra mlockall()s the JVM at startup. As root (CI) that succeeds and pins
@@ -475,15 +485,83 @@ cass_wait() { # DIR PORT T0
   log "cassandra ${CASS_RELEASE:-?} ready on $HOST:$port (CQL query ok, startup $(elapsed "$t0")s)"
 }
 
+# The opt-in three-node cluster (RF 3 keyspaces, LOCAL_QUORUM writes,
+# LOCAL_SERIAL LWTs, as users run ScyllaDB). Nodes that are running are left
+# alone; a stopped node of a cluster with a node still up restarts on its
+# data (a node coming back); with none up, the cluster starts afresh.
+cluster_dir() { echo "$STATE/cassandra-cluster/node$(($1 + 1))"; }
+
+up_cassandra_cluster() {
+  ensure_java
+  ensure_cassandra_dist
+  ensure_probe
+  local i dir any_up=0 t0 pre=() starting=()
+  for i in 0 1 2; do pid_of "$(cluster_dir "$i")" cassandra >/dev/null && any_up=1; done
+  if [ "$any_up" = 0 ]; then rm -rf "$STATE/cassandra-cluster"; fi
+  if [ "$CASS_MLOCK" != 1 ]; then
+    pre=(bash -c 'ulimit -S -l 64 2>/dev/null || true; exec "$@"' no-mlock)
+    if [ "$(id -u)" -eq 0 ] && command -v setpriv >/dev/null 2>&1; then
+      pre+=(setpriv --bounding-set=-ipc_lock --)
+    fi
+  fi
+  t0=$(now)
+  for i in 0 1 2; do
+    local HOST=${CLUSTER_HOSTS[$i]}
+    dir=$(cluster_dir "$i")
+    pid_of "$dir" cassandra >/dev/null && continue
+    require_free_port "$CLUSTER_CQL_PORT" IMDEDUP_CLUSTER_CQL_PORT
+    require_free_port "$CLUSTER_STORAGE_PORT" IMDEDUP_CLUSTER_STORAGE_PORT
+    mkdir -p "$dir"/{data,commitlog,saved_caches,hints,cdc_raw,logs,triggers}
+    echo "$CLUSTER_CQL_PORT" >"$dir/port"
+    render "$HERE/cassandra.yaml.in" "$dir/cassandra.yaml" DIR="$dir" LISTEN="$HOST" \
+      STORAGE_PORT="$CLUSTER_STORAGE_PORT" CQL_PORT="$CLUSTER_CQL_PORT" \
+      TOKEN="${CLUSTER_TOKENS[$i]}" SEEDS="${CLUSTER_HOSTS[0]}:$CLUSTER_STORAGE_PORT"
+    render "$HERE/logback.xml.in" "$dir/logback.xml" LOGDIR="$dir/logs"
+    local CASS_XMX=$CLUSTER_XMX CASS_JMX_PORT=""
+    cass_jvm_opts "$dir"
+    log "starting cassandra cluster node $((i + 1)) on $HOST (heap $CASS_XMS..$CASS_XMX)"
+    start_bg "$dir" "$dir/logs/stdout.log" "${pre[@]}" "$JAVA" "${CASS_OPTS[@]}" \
+      -cp "$CASS_CP" org.apache.cassandra.service.CassandraDaemon
+    starting+=("$i")
+    # The others gossip with the seed (node 1) when they start: it goes first.
+    if [ "$i" = 0 ]; then cass_wait "$dir" "$CLUSTER_CQL_PORT" "$t0"; fi
+  done
+  for i in "${starting[@]}"; do
+    [ "$i" = 0 ] && continue
+    local HOST=${CLUSTER_HOSTS[$i]}
+    cass_wait "$(cluster_dir "$i")" "$CLUSTER_CQL_PORT" "$t0"
+  done
+  # Every node knows the two others before anyone uses the cluster.
+  local deadline=$((SECONDS + START_TIMEOUT)) peers
+  for i in 0 1 2; do
+    local HOST=${CLUSTER_HOSTS[$i]}
+    while :; do
+      peers=$(cql_probe "$CLUSTER_CQL_PORT" "SELECT peer FROM system.peers" 2>/dev/null \
+        | sed -n 's/^(\([0-9]*\) rows)$/\1/p' || true)
+      [ "${peers:-0}" -ge 2 ] && break
+      [ "$SECONDS" -lt "$deadline" ] || die "cassandra cluster node $((i + 1)) sees $peers peers after ${START_TIMEOUT}s (logs: $(cluster_dir "$i")/logs/system.log)"
+      sleep 1
+    done
+  done
+  log "cassandra cluster ready: ${CLUSTER_HOSTS[*]} port $CLUSTER_CQL_PORT ($(elapsed "$t0")s)"
+}
+
 # ---------------------------------------------------------------- env / status / down
 
 print_env() {
-  local port p list=""
+  local port p i list=""
   if port=$(cat "$STATE/redis/port" 2>/dev/null) && pid_of "$STATE/redis" redis "$port" >/dev/null; then
     echo "export IMDEDUP_TEST_REDIS_URL=redis://$HOST:$port"
   fi
   if port=$(cat "$STATE/cassandra/port" 2>/dev/null) && pid_of "$STATE/cassandra" cassandra >/dev/null; then
     echo "export IMDEDUP_TEST_SCYLLA=$HOST:$port"
+  fi
+  list=""
+  if [ -d "$STATE/cassandra-cluster" ]; then
+    for i in 0 1 2; do list="${list:+$list,}${CLUSTER_HOSTS[$i]}:$CLUSTER_CQL_PORT"; done
+    echo "export IMDEDUP_TEST_SCYLLA_CLUSTER=$list"
+    echo "export IMDEDUP_CASSANDRA_CLUSTER_DIR=$STATE/cassandra-cluster"
+    list=""
   fi
   if [ -s "$STATE/redis-cluster/ports" ]; then
     for p in $(cat "$STATE/redis-cluster/ports"); do
@@ -524,17 +602,31 @@ cmd_status() {
     else echo "cassandra      STARTING/UNHEALTHY pid $pid  $HOST:$port  (log: $STATE/cassandra/logs/system.log)"; bad=1; fi
   elif [ -s "$STATE/cassandra/pid" ]; then echo "cassandra      DEAD      (log: $STATE/cassandra/logs/system.log)"; bad=1
   else echo "cassandra      down"; fi
+
+  if [ -d "$STATE/cassandra-cluster" ]; then
+    for i in 0 1 2; do
+      if pid=$(pid_of "$(cluster_dir "$i")" cassandra); then
+        echo "cassandra-cluster node$((i + 1))  pid $pid  ${CLUSTER_HOSTS[$i]}:$CLUSTER_CQL_PORT"
+      else echo "cassandra-cluster node$((i + 1))  DOWN  ${CLUSTER_HOSTS[$i]}:$CLUSTER_CQL_PORT"; bad=1; fi
+    done
+  fi
   return "$bad"
 }
 
 cmd_down() {
-  local purge=${1:-} dir pid p
+  local purge=${1:-} dir pid p i
   [ -d "$STATE" ] || { log "nothing to stop ($STATE does not exist)"; return 0; }
   lock
   local pids=() names=() dirs=()
   if [ -d "$STATE/cassandra" ] && pid=$(pid_of "$STATE/cassandra" cassandra); then
     pids+=("$pid"); names+=(cassandra); dirs+=("$STATE/cassandra")
   fi
+  for i in 0 1 2; do
+    dir=$(cluster_dir "$i")
+    if [ -d "$dir" ] && pid=$(pid_of "$dir" cassandra); then
+      pids+=("$pid"); names+=("cassandra-cluster:node$((i + 1))"); dirs+=("$dir")
+    fi
+  done
   if p=$(cat "$STATE/redis/port" 2>/dev/null) && pid=$(pid_of "$STATE/redis" redis "$p"); then
     pids+=("$pid"); names+=(redis); dirs+=("$STATE/redis")
   fi
@@ -549,6 +641,7 @@ cmd_down() {
   for i in "${!pids[@]}"; do stop_pid "${pids[$i]}" "${names[$i]}" "$STOP_TIMEOUT" nosignal; done
   rm -f "$STATE"/cassandra/pid "$STATE"/redis/pid "$STATE"/redis-cluster/*/pid
   rm -rf "$STATE/redis-cluster"   # nodes.conf must not survive: the next up creates a new cluster
+  rm -rf "$STATE/cassandra-cluster"
   [ "${#pids[@]}" -gt 0 ] || log "nothing was running"
   if [ "$purge" = --purge ]; then
     rm -rf "$STATE"
@@ -557,22 +650,24 @@ cmd_down() {
 }
 
 cmd_up() {
-  local want_redis=0 want_cass=0 want_cluster=0 a
+  local want_redis=0 want_cass=0 want_cluster=0 want_cass_cluster=0 a
   for a in "$@"; do
     case "$a" in
       --redis) want_redis=1 ;;
       --cassandra|--scylla|--cql) want_cass=1 ;;
       --redis-cluster) want_cluster=1 ;;
+      --cassandra-cluster) want_cass_cluster=1 ;;
       *) die "unknown option for up: $a" ;;
     esac
   done
-  if [ $((want_redis + want_cass + want_cluster)) -eq 0 ]; then want_redis=1; want_cass=1; fi
+  if [ $((want_redis + want_cass + want_cluster + want_cass_cluster)) -eq 0 ]; then want_redis=1; want_cass=1; fi
   lock
   mkdir -p "$CACHE"
   local t0; t0=$(now)
   [ "$want_redis" = 0 ] || up_redis
   [ "$want_cluster" = 0 ] || up_redis_cluster
   [ "$want_cass" = 0 ] || up_cassandra
+  [ "$want_cass_cluster" = 0 ] || up_cassandra_cluster
   log "up done in $(elapsed "$t0")s"
   print_env
 }
