@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -68,9 +69,12 @@ class Cluster:
     def shard_map(self, names: list[str]) -> str:
         return ",".join(f"{n}=https://127.0.0.1:{self.port(n)[0]}" for n in names)
 
+    def rf(self) -> str:
+        return "3" if self.args.cassandra_cluster else "1"
+
     def scylla(self) -> list[str]:
         return ["--scylla", self.args.scylla, "--scylla-keyspace", self.keyspace,
-                "--scylla-replication-factor", "1", "--scylla-migrate", "false",
+                "--scylla-replication-factor", self.rf(), "--scylla-migrate", "false",
                 "--scylla-pending-fence", "12s"]
 
     def argv(self, name: str, names: list[str]) -> list[str]:
@@ -119,7 +123,7 @@ class Cluster:
 
     def up(self, ingest_env: dict | None = None) -> None:
         subprocess.run([self.args.imdedup, "migrate", "--scylla", self.args.scylla,
-                        "--scylla-keyspace", self.keyspace, "--scylla-replication-factor", "1"],
+                        "--scylla-keyspace", self.keyspace, "--scylla-replication-factor", self.rf()],
                        check=True, stdout=subprocess.DEVNULL)
         self.start("storage", self.names)
         for name in self.names:
@@ -195,11 +199,67 @@ def scenarios(cluster: Cluster, duration: float):
             cluster.restart(name, two)
         cluster.notes.append("shards 3 -> 2")
 
+    if cluster.args.cassandra_cluster:
+        return database_faults(cluster, duration)
     return {
         "history-write-failing": ({"IMDEDUP_FAULT_COMMIT_FAILURES": "0.05"}, lambda: None),
         "ingest-sigkill": ({}, sigkill),
         "rolling-restart": ({}, rolling),
         "shards-2-3-2": ({}, reshard),
+    }
+
+
+def node_pid(n: int) -> int:
+    """The pid of node `n` (1-3) of services.sh's Cassandra cluster."""
+    state = os.environ["IMDEDUP_CASSANDRA_CLUSTER_DIR"]
+    return int(Path(state, f"node{n}", "pid").read_text().strip())
+
+
+def restart_nodes() -> None:
+    """services.sh brings the stopped nodes back, on their data."""
+    here = Path(__file__).resolve().parent
+    subprocess.run([str(here / "services.sh"), "up", "--cassandra-cluster"], check=True,
+                   stdout=subprocess.DEVNULL)
+
+
+def database_faults(cluster: Cluster, duration: float):
+    """On the three-node cluster (RF 3, LOCAL_QUORUM, LOCAL_SERIAL): nodes
+    killed, paused, and a quorum lost and regained, while the load runs."""
+
+    def at(seconds: float):
+        time.sleep(seconds)
+
+    def kill(n: int):
+        os.kill(node_pid(n), signal.SIGKILL)
+        cluster.notes.append(f"killed node{n}")
+
+    def node_sigkill():
+        at(duration * 0.3)
+        kill(3)
+        at(duration * 0.4)
+        restart_nodes()
+        cluster.notes.append("node3 back")
+
+    def node_pause():
+        at(duration * 0.3)
+        pid = node_pid(2)
+        os.kill(pid, signal.SIGSTOP)
+        cluster.notes.append("paused node2 10 s")
+        at(10)
+        os.kill(pid, signal.SIGCONT)
+
+    def no_quorum():
+        at(duration * 0.3)
+        kill(2)
+        kill(3)
+        at(6)
+        restart_nodes()
+        cluster.notes.append("node2, node3 back")
+
+    return {
+        "node-sigkill": ({}, node_sigkill),
+        "node-pause": ({}, node_pause),
+        "two-nodes-down": ({}, no_quorum),
     }
 
 
@@ -212,6 +272,8 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=200)
     parser.add_argument("--duration", type=float, default=20)
     parser.add_argument("--only", action="append", help="run only this scenario (repeatable)")
+    parser.add_argument("--cassandra-cluster", action="store_true",
+                        help="the database faults, on services.sh's three-node cluster")
     args = parser.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="imdedup-faults-"))

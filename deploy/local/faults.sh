@@ -17,6 +17,12 @@
 # must-be-zero count is 0. About 3 minutes.
 #
 #   deploy/local/faults.sh [--rate 200] [--duration 20] [--only NAME]
+#   deploy/local/faults.sh --cassandra-cluster   (the database's faults, below)
+#
+# With --cassandra-cluster, three other scenarios run on services.sh's opt-in
+# three-node Cassandra cluster (RF 3, LOCAL_QUORUM, LOCAL_SERIAL), not in the
+# suite: node-sigkill (node3 killed, back later), node-pause (node2 SIGSTOPped
+# for 10 s, like a long GC pause), two-nodes-down (no quorum for 6 s).
 #
 # Uses the services of deploy/local/services.sh (started if not running) and
 # builds target/debug/imdedup and imdedup-load unless IMDEDUP_FAULTS_NO_BUILD=1.
@@ -29,13 +35,25 @@ fi
 target_dir=$(cargo metadata --format-version 1 --no-deps 2>/dev/null \
   | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])' 2>/dev/null || echo target)
 
-if [ -z "${IMDEDUP_TEST_REDIS_URL:-}" ] || [ -z "${IMDEDUP_TEST_SCYLLA:-}" ]; then
-  eval "$(deploy/local/services.sh up --redis --cassandra)"
-fi
+scylla=${IMDEDUP_TEST_SCYLLA:-}
+case " $* " in
+  *" --cassandra-cluster "*)
+    # The database faults run on the opt-in three-node cluster.
+    eval "$(deploy/local/services.sh up --redis --cassandra-cluster)"
+    scylla=$IMDEDUP_TEST_SCYLLA_CLUSTER
+    export IMDEDUP_CASSANDRA_CLUSTER_DIR
+    ;;
+  *)
+    if [ -z "${IMDEDUP_TEST_REDIS_URL:-}" ] || [ -z "$scylla" ]; then
+      eval "$(deploy/local/services.sh up --redis --cassandra)"
+      scylla=$IMDEDUP_TEST_SCYLLA
+    fi
+    ;;
+esac
 
 exec python3 deploy/local/faults.py \
   --imdedup "$target_dir/debug/imdedup" \
   --load "$target_dir/debug/imdedup-load" \
   --redis "$IMDEDUP_TEST_REDIS_URL" \
-  --scylla "$IMDEDUP_TEST_SCYLLA" \
+  --scylla "$scylla" \
   "$@"

@@ -519,6 +519,9 @@ up_cassandra_cluster() {
     render "$HERE/logback.xml.in" "$dir/logback.xml" LOGDIR="$dir/logs"
     local CASS_XMX=$CLUSTER_XMX CASS_JMX_PORT=""
     cass_jvm_opts "$dir"
+    # A node that comes back first asks the seed about the ring (a shadow
+    # round): give it the time the single node's fast start takes away.
+    CASS_OPTS+=(-Dcassandra.ring_delay_ms=10000)
     log "starting cassandra cluster node $((i + 1)) on $HOST (heap $CASS_XMS..$CASS_XMX)"
     start_bg "$dir" "$dir/logs/stdout.log" "${pre[@]}" "$JAVA" "${CASS_OPTS[@]}" \
       -cp "$CASS_CP" org.apache.cassandra.service.CassandraDaemon
