@@ -70,7 +70,7 @@ class Cluster:
         return ",".join(f"{n}=https://127.0.0.1:{self.port(n)[0]}" for n in names)
 
     def rf(self) -> str:
-        return "3" if self.args.cassandra_cluster else "1"
+        return "3" if getattr(self.args, "cassandra_cluster", False) else "1"
 
     def scylla(self) -> list[str]:
         return ["--scylla", self.args.scylla, "--scylla-keyspace", self.keyspace,
@@ -199,7 +199,7 @@ def scenarios(cluster: Cluster, duration: float):
             cluster.restart(name, two)
         cluster.notes.append("shards 3 -> 2")
 
-    if cluster.args.cassandra_cluster:
+    if getattr(cluster.args, "cassandra_cluster", False):
         return database_faults(cluster, duration)
     return {
         "history-write-failing": ({"IMDEDUP_FAULT_COMMIT_FAILURES": "0.05"}, lambda: None),
