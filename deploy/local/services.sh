@@ -414,6 +414,19 @@ render() { # TEMPLATE OUT KEY=VAL...
   sed "${expr[@]}" "$tpl" >"$outf"
 }
 
+# Cassandra mlockall()s the JVM at startup. As root (CI) that succeeds and pins
+# every mapped page (~+300 MiB RSS). Drop CAP_IPC_LOCK and keep a small
+# RLIMIT_MEMLOCK so it only logs a warning, as for an ordinary user: sets
+# NO_MLOCK to the command prefix that does so (empty with CASS_MLOCK=1).
+no_mlock_prefix() {
+  NO_MLOCK=()
+  [ "$CASS_MLOCK" != 1 ] || return 0
+  NO_MLOCK=(bash -c 'ulimit -S -l 64 2>/dev/null || true; exec "$@"' no-mlock)
+  if [ "$(id -u)" -eq 0 ] && command -v setpriv >/dev/null 2>&1; then
+    NO_MLOCK+=(setpriv --bounding-set=-ipc_lock --)
+  fi
+}
+
 up_cassandra() {
   local dir="$STATE/cassandra" port pid
   port=$(cat "$dir/port" 2>/dev/null || echo "$CQL_PORT")
@@ -445,19 +458,10 @@ up_cassandra() {
     STORAGE_PORT="$CASS_STORAGE_PORT" CQL_PORT="$port" TOKEN=0 SEEDS="$HOST:$CASS_STORAGE_PORT"
   render "$HERE/logback.xml.in" "$dir/logback.xml" LOGDIR="$dir/logs"
   cass_jvm_opts "$dir"
-  # Cassandra mlockall()s the JVM at startup. As root (CI) that succeeds and pins
-  # every mapped page (~+300 MiB RSS). Drop CAP_IPC_LOCK and keep a small
-  # RLIMIT_MEMLOCK so it only logs a warning, as for an ordinary user.
-  local pre=()
-  if [ "$CASS_MLOCK" != 1 ]; then
-    pre=(bash -c 'ulimit -S -l 64 2>/dev/null || true; exec "$@"' no-mlock)
-    if [ "$(id -u)" -eq 0 ] && command -v setpriv >/dev/null 2>&1; then
-      pre+=(setpriv --bounding-set=-ipc_lock --)
-    fi
-  fi
+  no_mlock_prefix
   log "starting cassandra $CASS_VERSION (java $JAVA, heap $CASS_XMS..$CASS_XMX)"
   local t0; t0=$(now)
-  start_bg "$dir" "$dir/logs/stdout.log" "${pre[@]}" "$JAVA" "${CASS_OPTS[@]}" \
+  start_bg "$dir" "$dir/logs/stdout.log" "${NO_MLOCK[@]}" "$JAVA" "${CASS_OPTS[@]}" \
     -cp "$CASS_CP" org.apache.cassandra.service.CassandraDaemon
   cass_wait "$dir" "$port" "$t0"
 }
@@ -495,15 +499,10 @@ up_cassandra_cluster() {
   ensure_java
   ensure_cassandra_dist
   ensure_probe
-  local i dir any_up=0 t0 pre=() starting=()
+  local i dir any_up=0 t0 starting=()
   for i in 0 1 2; do pid_of "$(cluster_dir "$i")" cassandra >/dev/null && any_up=1; done
   if [ "$any_up" = 0 ]; then rm -rf "$STATE/cassandra-cluster"; fi
-  if [ "$CASS_MLOCK" != 1 ]; then
-    pre=(bash -c 'ulimit -S -l 64 2>/dev/null || true; exec "$@"' no-mlock)
-    if [ "$(id -u)" -eq 0 ] && command -v setpriv >/dev/null 2>&1; then
-      pre+=(setpriv --bounding-set=-ipc_lock --)
-    fi
-  fi
+  no_mlock_prefix
   t0=$(now)
   for i in 0 1 2; do
     local HOST=${CLUSTER_HOSTS[$i]}
@@ -523,7 +522,7 @@ up_cassandra_cluster() {
     # round): give it the time the single node's fast start takes away.
     CASS_OPTS+=(-Dcassandra.ring_delay_ms=10000)
     log "starting cassandra cluster node $((i + 1)) on $HOST (heap $CASS_XMS..$CASS_XMX)"
-    start_bg "$dir" "$dir/logs/stdout.log" "${pre[@]}" "$JAVA" "${CASS_OPTS[@]}" \
+    start_bg "$dir" "$dir/logs/stdout.log" "${NO_MLOCK[@]}" "$JAVA" "${CASS_OPTS[@]}" \
       -cp "$CASS_CP" org.apache.cassandra.service.CassandraDaemon
     starting+=("$i")
     # The others gossip with the seed (node 1) when they start: it goes first.

@@ -626,15 +626,18 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
         .collect();
     // The receivers' view: every conversation's stored history.
     // Each conversation is read by one of its members, on that phone's link.
-    let mut histories = pull_histories(&phones, readers(&plan)).await?;
+    let readers = readers(&plan);
+    let mut histories = pull_histories(&phones, readers.clone()).await?;
+    let mut result = audit(&sent, &histories);
     // A stored row behind a pending one (a write whose outcome is not yet
     // known) shows once a reader settles that row, at the latest after the
     // store's pending fence: pull again until every ACKed message shows, or
     // CATCH_UP has passed. What is still missing then is lost.
     let settled_by = tokio::time::Instant::now() + CATCH_UP;
-    while audit(&sent, &histories).lost > 0 && tokio::time::Instant::now() < settled_by {
+    while result.lost > 0 && tokio::time::Instant::now() < settled_by {
         tokio::time::sleep(Duration::from_secs(2)).await;
-        histories = pull_histories(&phones, readers(&plan)).await?;
+        histories = pull_histories(&phones, readers.clone()).await?;
+        result = audit(&sent, &histories);
     }
     // Followers still behind the end of a history (stopped before a row
     // that was being settled) keep following until they reach it.
@@ -644,12 +647,11 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
                 .iter()
                 .filter_map(|(c, rows)| Some((c.clone(), rows.last()?.seq)))
                 .collect();
-            follow::catch_up(&phones, &readers(&plan), &mut delivered, &ends, CATCH_UP).await;
+            follow::catch_up(&phones, &readers, &mut delivered, &ends, CATCH_UP).await;
             Some(delivered)
         }
         None => None,
     };
-    let mut result = audit(&sent, &histories);
     if let Some(delivered) = &delivered {
         result.add_followers(&histories, delivered);
     }

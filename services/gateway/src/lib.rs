@@ -245,6 +245,7 @@ fn router(state: AppState) -> Router {
             json_error(
                 StatusCode::NOT_FOUND,
                 "not_found",
+                false,
                 "no such path: the gateway serves /v1/ws, /v1/messages, /healthz and /readyz",
             )
         })
@@ -252,19 +253,21 @@ fn router(state: AppState) -> Router {
             json_error(
                 StatusCode::METHOD_NOT_ALLOWED,
                 "method_not_allowed",
+                false,
                 "method not allowed: /v1/ws is GET (a WebSocket upgrade), /v1/messages is POST",
             )
         })
         .with_state(state)
 }
 
-/// An answer of the HTTP layer itself (no such path, a method or request
-/// the route does not take), in the same JSON as every other error.
-fn json_error(status: StatusCode, code: &str, message: &str) -> Response {
+/// An error answer of the HTTP layer: the JSON every error is answered in.
+/// The codes besides the error kinds are the HTTP layer's own (no such
+/// path, a method the path does not take), final.
+fn json_error(status: StatusCode, code: &str, retryable: bool, message: &str) -> Response {
     let body = serde_json::json!({
         "type": "error",
         "code": code,
-        "retryable": false,
+        "retryable": retryable,
         "message": message,
     });
     (status, Json(body)).into_response()
@@ -279,13 +282,12 @@ async fn ready(State(state): State<AppState>) -> Response {
 }
 
 fn refuse(status: StatusCode, error: Error) -> Response {
-    let body = serde_json::json!({
-        "type": "error",
-        "code": error.kind().as_str(),
-        "retryable": error.retryable(),
-        "message": error.message(),
-    });
-    (status, Json(body)).into_response()
+    json_error(
+        status,
+        error.kind().as_str(),
+        error.retryable(),
+        error.message(),
+    )
 }
 
 async fn business_message(
@@ -322,12 +324,13 @@ async fn upgrade(
 ) -> Response {
     let gateway = &state.gateway;
     let (Ok(Query(query)), Ok(ws)) = (query, ws) else {
-        return json_error(
+        return refuse(
             StatusCode::BAD_REQUEST,
-            "invalid_argument",
-            "/v1/ws takes a WebSocket upgrade (GET with Connection: upgrade, Upgrade: websocket, \
-             Sec-WebSocket-Version: 13 and a Sec-WebSocket-Key), with ?token=<token> or \
-             Authorization: Bearer <token>",
+            Error::invalid(
+                "/v1/ws takes a WebSocket upgrade (GET with Connection: upgrade, Upgrade: websocket, \
+                 Sec-WebSocket-Version: 13 and a Sec-WebSocket-Key), with ?token=<token> or \
+                 Authorization: Bearer <token>",
+            ),
         );
     };
     if state.shutdown.is_cancelled() {

@@ -58,11 +58,12 @@ pub fn status(error: Error) -> Status {
 /// the headers (trailers-only), and no handler of ours answers
 /// `OUT_OF_RANGE`.
 fn too_large_is_invalid<B>(mut response: axum::http::Response<B>) -> axum::http::Response<B> {
+    // `tonic::Code::OutOfRange` as the header carries it.
+    const OUT_OF_RANGE: &[u8] = b"11";
     let headers = response.headers_mut();
-    let out_of_range = (tonic::Code::OutOfRange as i32).to_string();
     if headers
         .get("grpc-status")
-        .is_some_and(|status| status.as_bytes() == out_of_range.as_bytes())
+        .is_some_and(|status| status.as_bytes() == OUT_OF_RANGE)
     {
         headers.insert(
             "grpc-status",
