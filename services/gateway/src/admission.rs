@@ -74,7 +74,7 @@ impl Default for AdmissionOptions {
             initial: 512,
             min: 16,
             max: 20_000,
-            target: Duration::from_millis(250),
+            target: Duration::from_millis(600),
             horizon: Duration::from_secs(20),
         }
     }
@@ -708,7 +708,7 @@ mod tests {
             while inside.front().is_some_and(|(_, end)| *end <= now) {
                 let (started, end) = inside.pop_front().unwrap();
                 served += 1;
-                late += u64::from(end - started > Duration::from_millis(600));
+                late += u64::from(end - started > door.options.target * 2);
                 door.done(started, end);
             }
             let mut arriving: Vec<u64> = Vec::new();
@@ -743,6 +743,11 @@ mod tests {
         let per_served = tries as f64 / admitted_keys.len() as f64;
         assert!(per_served < 4.0, "{per_served:.2} tries per served message");
         let limit = door.state.aimd.limit();
-        assert!((100..=400).contains(&limit), "limit {limit}");
+        // Little's law: one send per millisecond times the target.
+        let settled = door.options.target.as_millis() as usize;
+        assert!(
+            (settled * 2 / 5..=settled * 8 / 5).contains(&limit),
+            "limit {limit}"
+        );
     }
 }

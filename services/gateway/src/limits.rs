@@ -59,7 +59,7 @@ impl Default for Limits {
             user_sends_per_second: NonZeroU32::new(50).expect("non-zero"),
             user_send_burst: NonZeroU32::new(200).expect("non-zero"),
             max_sends_in_flight: 20_000,
-            send_latency_target: Duration::from_millis(250),
+            send_latency_target: Duration::from_millis(600),
             max_history_page_bytes: 1 << 20,
             max_pulls_per_connection: 2,
         }

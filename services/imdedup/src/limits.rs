@@ -40,7 +40,7 @@ pub struct LimitArgs {
     pub max_sends_in_flight: usize,
     /// A send answered later than this cuts the gateway's admission limit,
     /// so the work it takes in finishes in about this time.
-    #[arg(long, env = "IMDEDUP_SEND_LATENCY_TARGET", default_value = "250ms", value_parser = duration)]
+    #[arg(long, env = "IMDEDUP_SEND_LATENCY_TARGET", default_value = "600ms", value_parser = duration)]
     pub send_latency_target: Duration,
     /// Most bytes of message bodies in one history page (a page holds at
     /// least one message).
