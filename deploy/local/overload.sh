@@ -29,7 +29,8 @@
 #   deploy/local/overload.sh [--short] [--only NAME] [--capacity MSGS_PER_S] [--fresh-db]
 #
 # --fresh-db restarts that Cassandra before the sequence, which then
-# runs on a cold database (the suite does so).
+# runs on a cold database (the suite does so), at its share of the capacity
+# measured on a freshly restarted one (one more probe and restart).
 # Uses the Cassandra of deploy/local/services.sh (started if not running;
 # paused and resumed by this script) and builds target/debug/imdedup and
 # imdedup-load unless IMDEDUP_OVERLOAD_NO_BUILD=1.

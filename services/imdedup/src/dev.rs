@@ -2,6 +2,7 @@
 //! endpoints and dev tokens, and runs until Ctrl-C.
 
 use std::{
+    fmt::Write as _,
     net::SocketAddr,
     path::{Path, PathBuf},
     sync::Arc,
@@ -85,55 +86,80 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     };
     crate::authz::warn_if_open(&options.authz);
     let cluster = LocalCluster::start(options).await?;
-    println!("imdedup dev cluster ({backends})");
+    let mut banner = String::new();
+    writeln!(banner, "imdedup dev cluster ({backends})")?;
     if args.authz == AuthzMode::Members {
-        println!(
+        writeln!(
+            banner,
             "  authorization on: direct conversations dm:<a>:<b> (names sorted), groups in {} (read again when it changes):",
             groups_file.display()
-        );
-        println!("    {}", std::fs::read_to_string(&groups_file)?.trim());
+        )?;
+        writeln!(
+            banner,
+            "    {}",
+            std::fs::read_to_string(&groups_file)?.trim()
+        )?;
     }
     if args.backends.no_dedup {
-        println!("  DEDUP IS OFF (--no-dedup): every copy that arrives is stored");
+        writeln!(
+            banner,
+            "  DEDUP IS OFF (--no-dedup): every copy that arrives is stored"
+        )?;
     }
-    println!("  WebSocket   {}", cluster.gateway_url());
-    println!("  ingest gRPC {}", cluster.ingest_urls().join(" "));
-    println!("  storage gRPC {}", cluster.storage_url());
+    writeln!(banner, "  WebSocket   {}", cluster.gateway_url())?;
+    writeln!(banner, "  ingest gRPC {}", cluster.ingest_urls().join(" "))?;
+    writeln!(banner, "  storage gRPC {}", cluster.storage_url())?;
     for (role, addr) in cluster.admin_addrs() {
-        println!("  admin {role:<9} http://{addr}/metrics (and /healthz, /readyz)");
+        writeln!(
+            banner,
+            "  admin {role:<9} http://{addr}/metrics (and /healthz, /readyz)"
+        )?;
     }
-    println!("  token secret {DEV_TOKEN_SECRET:?} (dev only)");
+    writeln!(banner, "  token secret {DEV_TOKEN_SECRET:?} (dev only)")?;
     for user in &args.users {
-        println!("  token for {user}: {}", cluster.token(user)?);
+        writeln!(banner, "  token for {user}: {}", cluster.token(user)?)?;
     }
-    println!(
+    writeln!(
+        banner,
         "Try: websocat '{}?token=<token>' and send",
         cluster.gateway_url()
-    );
-    println!(r#"  {{"type":"send","id":"m1","conversation":"dm:ana:ben","body":"hello"}}"#);
+    )?;
+    writeln!(
+        banner,
+        r#"  {{"type":"send","id":"m1","conversation":"dm:ana:ben","body":"hello"}}"#
+    )?;
     // The business API, for a system account that may send as itself.
     let bot = "orders-bot";
     let service_token = cluster.service_token(bot, &[bot])?;
-    println!("Business API (service token secret {DEV_SERVICE_TOKEN_SECRET:?}, dev only):");
-    println!(
+    writeln!(
+        banner,
+        "Business API (service token secret {DEV_SERVICE_TOKEN_SECRET:?}, dev only):"
+    )?;
+    writeln!(
+        banner,
         "  HTTP http://{}/v1/messages   gRPC {} (imdedup.v1.BusinessService)",
         cluster.gateway_addr(),
         cluster.business_grpc_urls().join(" ")
-    );
-    println!("  service token for {bot} (senders: {bot}): {service_token}");
+    )?;
+    writeln!(
+        banner,
+        "  service token for {bot} (senders: {bot}): {service_token}"
+    )?;
     let to = args.users.first().map_or("ana", String::as_str);
     let conversation = if to < bot {
         format!("dm:{to}:{bot}")
     } else {
         format!("dm:{bot}:{to}")
     };
-    println!(
+    writeln!(
+        banner,
         "  curl -sS http://{}/v1/messages -H 'Authorization: Bearer {service_token}' \\\n    \
          -H 'Idempotency-Key: order-1234:shipped' -H 'Content-Type: application/json' \\\n    \
          -d '{{\"sender\":\"{bot}\",\"conversation\":\"{conversation}\",\"body\":\"Your order shipped\"}}'",
         cluster.gateway_addr()
-    );
-    println!("Ctrl-C stops.");
+    )?;
+    writeln!(banner, "Ctrl-C stops.")?;
+    print_banner(&banner);
     crate::shutdown::signal().await;
     // As the standalone services: what is in flight gets a grace period; a
     // client that keeps an idle connection open does not hold the exit.
@@ -144,6 +170,17 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         tracing::warn!(?GRACE, "grace period over, stopping with connections open");
     }
     Ok(())
+}
+
+/// Print the banner in one write, so that a reader who stops reading after
+/// the line it wanted (a script, `| head`) cannot break a later line; a
+/// closed stdout is not a reason to stop serving.
+fn print_banner(banner: &str) {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    let _ = stdout
+        .write_all(banner.as_bytes())
+        .and_then(|()| stdout.flush());
 }
 
 /// The business gRPC address that goes with the WebSocket address
