@@ -9,13 +9,31 @@
 //! two ingests never write one conversation, and a new owner's seqs start
 //! past everything the old owner leased.
 
-use imdedup_core::{Error, metrics::DB_CASSANDRA};
-use scylla::value::CqlValue;
-
 use super::{
     Block, Inner,
-    rows::{db_error, lwt, to_i64},
+    rows::{Column, LwtColumns, db_error, lwt, to_i64, value},
 };
+use imdedup_core::{Error, metrics::DB_CASSANDRA};
+
+/// What a lease LWT that did not apply says of the row: its `next_free` and
+/// `owner`, when it exists (Cassandra sends the condition's columns,
+/// ScyllaDB every column).
+#[derive(Debug, Default)]
+struct LeaseRow {
+    next_free: Option<i64>,
+    owner: Option<String>,
+}
+
+impl LwtColumns for LeaseRow {
+    fn take(&mut self, column: Column<'_, '_>) -> Result<(), Error> {
+        match column.spec.name() {
+            "next_free" => self.next_free = value(column)?,
+            "owner" => self.owner = value(column)?,
+            _ => {}
+        }
+        Ok(())
+    }
+}
 
 impl Inner {
     /// Lease the next block of `conversation`'s seqs as its owner.
@@ -70,7 +88,7 @@ impl Inner {
                     )
                 }
             };
-            let (applied, current) = lwt(reply.map_err(|e| db_error("lease", e))?)?;
+            let (applied, current) = lwt::<LeaseRow>(reply.map_err(|e| db_error("lease", e))?)?;
             self.options
                 .metrics
                 .leased(DB_CASSANDRA, "conversation", !applied);
@@ -87,17 +105,10 @@ impl Inner {
                     epoch,
                 });
             }
-            known = match current.get("next_free") {
-                Some(Some(CqlValue::BigInt(v))) => Some((
-                    u64::try_from(*v).unwrap_or_default(),
-                    match current.get("owner") {
-                        Some(Some(CqlValue::Text(o))) => Some(o.clone()),
-                        _ => None,
-                    },
-                )),
-                // The row does not exist yet (an UPDATE … IF on no row).
-                _ => None,
-            };
+            // None: the row does not exist yet (an UPDATE … IF on no row).
+            known = current
+                .next_free
+                .map(|v| (u64::try_from(v).unwrap_or_default(), current.owner));
         }
         Err(Error::unavailable(format!(
             "could not lease seqs of {conversation}: too much contention"
@@ -138,7 +149,7 @@ impl Inner {
                         .await,
                 ),
             };
-            let (applied, current) = lwt(reply.map_err(|e| db_error("lease", e))?)?;
+            let (applied, current) = lwt::<LeaseRow>(reply.map_err(|e| db_error("lease", e))?)?;
             self.options
                 .metrics
                 .leased(DB_CASSANDRA, "server_id", !applied);
@@ -150,11 +161,10 @@ impl Inner {
                     epoch: 0,
                 });
             }
-            known = match current.get("next_free") {
-                Some(Some(CqlValue::BigInt(v))) => Some(u64::try_from(*v).unwrap_or_default()),
-                // The row does not exist yet (an UPDATE … IF on no row).
-                _ => None,
-            };
+            // None: the row does not exist yet (an UPDATE … IF on no row).
+            known = current
+                .next_free
+                .map(|v| u64::try_from(v).unwrap_or_default());
         }
         Err(Error::unavailable(format!(
             "could not lease {scope} numbers: too much contention"
@@ -172,5 +182,46 @@ impl Inner {
         let id = block.next;
         block.next += 1;
         Ok(id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use scylla::frame::response::result::NativeType;
+
+    use super::{
+        super::rows::tests::{applied, big, reply, text},
+        LeaseRow,
+    };
+
+    #[test]
+    fn a_lease_that_did_not_apply_says_where_the_row_stands_on_either_database() {
+        // Cassandra answers a failed `UPDATE … IF next_free = ? AND owner = ?`
+        // with the condition's columns.
+        let (ok, row) = reply::<LeaseRow>(&[
+            applied(false),
+            ("next_free", NativeType::BigInt, big(300)),
+            ("owner", NativeType::Text, text("ingest-1")),
+        ])
+        .unwrap();
+        assert!(!ok);
+        assert_eq!(row.next_free, Some(300));
+        assert_eq!(row.owner.as_deref(), Some("ingest-1"));
+        // ScyllaDB with every column; a row without an owner yet.
+        let (ok, row) = reply::<LeaseRow>(&[
+            applied(false),
+            ("scope", NativeType::Text, text("seq")),
+            ("name", NativeType::Text, text("dm:ana:ben")),
+            ("next_free", NativeType::BigInt, big(100)),
+            ("owner", NativeType::Text, None),
+        ])
+        .unwrap();
+        assert!(!ok);
+        assert_eq!((row.next_free, row.owner), (Some(100), None));
+        // An UPDATE … IF on no row: nothing known.
+        let (ok, row) =
+            reply::<LeaseRow>(&[applied(false), ("next_free", NativeType::BigInt, None)]).unwrap();
+        assert!(!ok);
+        assert_eq!(row.next_free, None);
     }
 }

@@ -32,7 +32,7 @@ use std::{
 };
 
 use imdedup_core::Error;
-use scylla::{client::session::Session, value::CqlValue};
+use scylla::client::session::Session;
 
 use super::requests::{Counted, RequestKind};
 use tokio::task::JoinHandle;
@@ -194,12 +194,10 @@ impl Membership {
             .execute(&self.session, (instance,))
             .await
             .map_err(|e| db_error("membership", e))?;
-        let until = rows(result)?
-            .first()
-            .and_then(|row| match row.get("until_ms") {
-                Some(Some(CqlValue::BigInt(v))) => Some(*v),
-                _ => None,
-            });
+        let until = rows::<(Option<i64>,)>(result)?
+            .into_iter()
+            .next()
+            .and_then(|(until,)| until);
         Ok(until.is_some_and(|until| unix_millis() <= until + millis(self.grace)))
     }
 

@@ -60,7 +60,7 @@ use crate::locks::LockTable;
 use members::Membership;
 use options::check_keyspace_name;
 use requests::Counted;
-use rows::{db_error, lwt, maybe_stored, rows, to_i64, to_message};
+use rows::{ExistingKey, KeyRow, db_error, lwt, maybe_stored, rows, to_i64};
 
 struct Statements {
     insert_key: Counted,
@@ -379,7 +379,7 @@ impl Inner {
             ))
             .await;
         let (applied, existing) = match reply {
-            Ok(reply) => lwt(reply)?,
+            Ok(reply) => lwt::<ExistingKey>(reply)?,
             Err(e) => {
                 // The outcome is unknown: the row stays pending, the resend
                 // (or a reader, after the fence) settles it.
@@ -388,25 +388,24 @@ impl Inner {
             }
         };
         self.options.metrics.inserted(DB_CASSANDRA, applied);
+        // Not applied: the key holds the original.
+        let original = if applied {
+            None
+        } else {
+            Some(existing.into_message()?)
+        };
         if let Some(earlier) = self.in_doubt.remove(&row.key) {
             // The key's fate is known now: an earlier try whose LWT failed
             // either stored it (the row it left is the original, committed
             // below) or can never apply (its seq is abandoned).
-            let settled = if applied {
-                &row
-            } else {
-                &to_message(&existing)?
-            };
+            let settled = original.as_ref().unwrap_or(&row);
             if settled.receipt != earlier.receipt
                 && let Err(e) = self.abandon(&earlier).await
             {
                 tracing::warn!(error = %e, seq = earlier.receipt.seq, "could not abandon a pending row; readers settle it after the fence");
             }
         }
-        if applied {
-            self.commit(&row).await?;
-            Ok(Insert::Stored(row))
-        } else {
+        if let Some(original) = original {
             // A repeat: the seq was not used. Once its row is marked
             // abandoned, the next message takes the seq again (its pending
             // write, later from this process's clock, clears the mark), so
@@ -427,10 +426,12 @@ impl Inner {
                 ),
             }
             drop(locked);
-            let original = to_message(&existing)?;
             // Commits the original if its own commit was lost.
             self.commit(&original).await?;
             Ok(Insert::AlreadyStored(original))
+        } else {
+            self.commit(&row).await?;
+            Ok(Insert::Stored(row))
         }
     }
 }
@@ -447,7 +448,11 @@ impl ScyllaStore {
             )
             .await
             .map_err(|e| db_error("lookup", e))?;
-        rows(result)?.first().map(to_message).transpose()
+        rows::<KeyRow>(result)?
+            .into_iter()
+            .next()
+            .map(KeyRow::into_message)
+            .transpose()
     }
 
     async fn history_uncounted(&self, query: &HistoryQuery) -> Result<Vec<StoredMessage>, Error> {

@@ -21,17 +21,16 @@
 //! two writes. Rows from before these columns have none of them and are
 //! visible.
 
-use std::{collections::HashMap, time::Instant};
+use std::time::Instant;
 
 use imdedup_core::{
     Error,
     model::{HistoryQuery, StoredMessage},
 };
-use scylla::value::CqlValue;
 
 use super::{
     Inner, columns, millis,
-    rows::{db_error, maybe_stored, rows, to_i64, to_message},
+    rows::{HistoryRow, KeyRow, db_error, maybe_stored, rows, to_i64},
     unix_millis,
 };
 
@@ -43,11 +42,12 @@ enum Publication {
     Abandoned,
 }
 
-fn publication(row: &HashMap<String, Option<CqlValue>>) -> Publication {
-    let set = |name: &str| matches!(row.get(name), Some(Some(CqlValue::Boolean(true))));
-    if set("abandoned") {
+/// A history row's state from its three cells (`pending`, `committed`,
+/// `abandoned`), each set or not (null or false).
+fn publication([pending, committed, abandoned]: [bool; 3]) -> Publication {
+    if abandoned {
         Publication::Abandoned
-    } else if set("committed") || !set("pending") {
+    } else if committed || !pending {
         Publication::Visible
     } else {
         Publication::Pending
@@ -112,12 +112,13 @@ impl Inner {
             .await
             .map_err(|e| db_error("history", e))?;
         let mut out = Vec::new();
-        for row in rows(result)? {
-            match publication(&row) {
+        for row in rows::<HistoryRow>(result)? {
+            let set = |cell: Option<bool>| cell == Some(true);
+            match publication([set(row.pending), set(row.committed), set(row.abandoned)]) {
                 Publication::Abandoned => {}
-                Publication::Visible => out.push(to_message(&row)?),
+                Publication::Visible => out.push(row.into_message()?),
                 Publication::Pending => {
-                    let message = to_message(&row)?;
+                    let message = row.into_message()?;
                     if unix_millis() - message.stored_at_ms < millis(self.options.pending_fence) {
                         // Its writer may still be at it: stop before it.
                         break;
@@ -156,7 +157,11 @@ impl Inner {
             )
             .await
             .map_err(|e| db_error("serial lookup", e))?;
-        let stored = rows(result)?.first().map(to_message).transpose()?;
+        let stored = rows::<KeyRow>(result)?
+            .into_iter()
+            .next()
+            .map(KeyRow::into_message)
+            .transpose()?;
         let holds = stored.is_some_and(|s| {
             s.receipt == pending.receipt && s.conversation == pending.conversation
         });
@@ -179,33 +184,29 @@ impl Inner {
 mod tests {
     use super::*;
 
-    fn row(cells: &[(&str, bool)]) -> HashMap<String, Option<CqlValue>> {
-        cells
-            .iter()
-            .map(|(name, v)| (name.to_string(), Some(CqlValue::Boolean(*v))))
-            .collect()
+    /// The cells of a row, by the names of those set to true.
+    fn row(cells: &[(&str, bool)]) -> [bool; 3] {
+        ["pending", "committed", "abandoned"]
+            .map(|name| cells.iter().any(|&(cell, set)| cell == name && set))
     }
 
     #[test]
     fn a_row_is_pending_until_committed_or_abandoned() {
+        assert_eq!(publication(row(&[("pending", true)])), Publication::Pending);
         assert_eq!(
-            publication(&row(&[("pending", true)])),
-            Publication::Pending
-        );
-        assert_eq!(
-            publication(&row(&[("pending", true), ("committed", true)])),
+            publication(row(&[("pending", true), ("committed", true)])),
             Publication::Visible
         );
         assert_eq!(
-            publication(&row(&[("pending", true), ("abandoned", true)])),
+            publication(row(&[("pending", true), ("abandoned", true)])),
             Publication::Abandoned
         );
         // An abandon that reached a row whose pending write never landed.
         assert_eq!(
-            publication(&row(&[("abandoned", true)])),
+            publication(row(&[("abandoned", true)])),
             Publication::Abandoned
         );
         // Rows from before publication states existed.
-        assert_eq!(publication(&row(&[])), Publication::Visible);
+        assert_eq!(publication(row(&[])), Publication::Visible);
     }
 }

@@ -19,7 +19,7 @@ pub async fn is_scylla(session: &Session) -> Result<bool, Error> {
         )
         .await
         .map_err(|e| db_error("probe", e))?;
-    Ok(!rows(result)?.is_empty())
+    Ok(!rows::<(String,)>(result)?.is_empty())
 }
 
 /// Create the keyspace and tables if they do not exist. Idempotent.
@@ -118,12 +118,9 @@ async fn add_missing_columns(
         )
         .await
         .map_err(|e| db_error("read schema", e))?;
-    let present: Vec<String> = rows(result)?
-        .iter()
-        .filter_map(|row| match row.get("column_name") {
-            Some(Some(scylla::value::CqlValue::Text(name))) => Some(name.clone()),
-            _ => None,
-        })
+    let present: Vec<String> = rows::<(String,)>(result)?
+        .into_iter()
+        .map(|(name,)| name)
         .collect();
     for (name, kind) in columns {
         if !present.iter().any(|p| p == name) {
