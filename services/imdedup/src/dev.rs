@@ -85,6 +85,9 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         Backends::Embedded => format!("embedded backends, data in {}", args.data_dir.display()),
     };
     crate::authz::warn_if_open(&options.authz);
+    // From here on a Ctrl-C or SIGTERM stops the cluster gracefully, even
+    // one that comes while it starts or prints its banner.
+    let stop = crate::shutdown::signal();
     let cluster = LocalCluster::start(options).await?;
     let mut banner = String::new();
     writeln!(banner, "imdedup dev cluster ({backends})")?;
@@ -160,7 +163,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     )?;
     writeln!(banner, "Ctrl-C stops.")?;
     print_banner(&banner);
-    crate::shutdown::signal().await;
+    stop.await;
     // As the standalone services: what is in flight gets a grace period; a
     // client that keeps an idle connection open does not hold the exit.
     if tokio::time::timeout(GRACE, cluster.shutdown())

@@ -5,25 +5,35 @@ use std::time::Duration;
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
 
-/// Resolves on Ctrl-C or SIGTERM (what Kubernetes sends).
-pub async fn signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
+/// Resolves on Ctrl-C or SIGTERM (what Kubernetes sends). The handlers are
+/// installed when this is called, not when the future is first polled: a
+/// signal that arrives in between (a supervisor or a test that stops the
+/// process as soon as it printed its addresses) would otherwise meet the
+/// default action and kill the process without its drain.
+pub fn signal() -> impl Future<Output = ()> + Send + 'static {
     #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
+    {
+        use tokio::signal::unix::{Signal, SignalKind, signal};
+        async fn recv(signal: std::io::Result<Signal>) {
+            match signal {
+                Ok(mut signal) => {
+                    signal.recv().await;
+                }
+                Err(_) => std::future::pending::<()>().await,
             }
-            Err(_) => std::future::pending::<()>().await,
         }
-    };
+        let interrupt = recv(signal(SignalKind::interrupt()));
+        let terminate = recv(signal(SignalKind::terminate()));
+        async move {
+            tokio::select! {
+                () = interrupt => {}
+                () = terminate => {}
+            }
+        }
+    }
     #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {}
-        () = term => {}
+    async {
+        let _ = tokio::signal::ctrl_c().await;
     }
 }
 
@@ -38,13 +48,14 @@ where
     F: Future<Output = Result<(), E>> + Send + 'static,
     E: std::error::Error + Send + Sync + 'static,
 {
+    let signal = signal();
     let stop = CancellationToken::new();
     let mut task = tokio::spawn(serve(stop.clone()));
     tokio::select! {
         result = &mut task => {
             return result.context("server task failed")?.with_context(|| format!("{name} stopped"));
         }
-        () = signal() => {}
+        () = signal => {}
     }
     tracing::info!(
         service = name,
