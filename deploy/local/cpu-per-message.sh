@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # CPU per acknowledged message, per service, beside a NATS JetStream server
-# doing the same number of deduplicated publishes (issue 12's measurement).
+# doing the same number of deduplicated publishes (the measurement the
+# CPU-per-message goals are judged by).
 #
 # Release build; storage (SQLite), two ingest shards (in-process windows) and
 # a gateway as separate processes on loopback, talking mutual TLS

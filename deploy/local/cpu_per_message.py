@@ -31,8 +31,8 @@ from pathlib import Path
 from localprocs import HarnessError, driver_report, Processes, free_port, http_get, port_open, wait_for
 
 TOKEN_SECRET = "cpu-per-message-secret-0123456789abcdef"
-# Issue 12's goal: the services' CPU per acknowledged message, and its ratio
-# to JetStream's per deduplicated publish measured in the same run.
+# The CPU-per-message goals: the services' CPU per acknowledged message, and
+# its ratio to JetStream's per deduplicated publish measured in the same run.
 GOAL_US = 60
 GOAL_RATIO = 3.0
 IDLE_SECONDS = 10

@@ -6,7 +6,7 @@ ingest shards writing to Cassandra themselves, a gateway; mutual TLS between
 them) in a fresh keyspace, with a private Redis it may kill, drives it with
 `imdedup-load steady`, injects its faults into the shared Cassandra (SIGSTOP /
 SIGCONT) and the private Redis (SIGKILL, restart) while the load runs, and
-prints one line of figures against the goals of issue 14.
+prints one line of figures against the stalled-database overload goals.
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ def cassandra_pid() -> int:
 
 def restart_cassandra() -> int:
     """Stop services.sh's Cassandra and start it again (a cold JVM: the
-    issue's "freshly started" database); returns the new pid."""
+    "freshly started" database of the stalled-database overload goals);
+    returns the new pid."""
     pid = cassandra_pid()
     os.kill(pid, signal.SIGCONT)
     os.kill(pid, signal.SIGTERM)
@@ -240,9 +241,9 @@ class Sampler:
 def scenarios(capacity: float):
     """name -> (rate, duration, fault(faults))."""
 
-    def issue_sequence(f: Faults) -> None:
-        # The issue's sequence: the database paused 4 s at 6 s, Redis killed
-        # at 13 s during the recovery, back at 17 s.
+    def pause_then_redis_loss(f: Faults) -> None:
+        # The pause4+redis sequence: the database paused 4 s at 6 s, Redis
+        # killed at 13 s during the recovery, back at 17 s.
         f.at(6)
         f.pause_db(4)
         f.at(13)
@@ -270,8 +271,8 @@ def scenarios(capacity: float):
 
     half, near = max(50.0, round(0.5 * capacity)), max(50.0, round(0.8 * capacity))
     return {
-        "pause4+redis@50%": (half, 25.0, issue_sequence),
-        "pause4+redis@80%": (near, 25.0, issue_sequence),
+        "pause4+redis@50%": (half, 25.0, pause_then_redis_loss),
+        "pause4+redis@80%": (near, 25.0, pause_then_redis_loss),
         "pause10@50%": (half, 25.0, long_pause),
         "slowed@50%": (half, 25.0, slowed),
         "slowed+redis@50%": (half, 25.0, redis_lost_while_slow),
@@ -405,11 +406,11 @@ def main() -> int:
     parser.add_argument("--only", action="append", help="run only this scenario (repeatable)")
     parser.add_argument("--capacity", type=float, help="skip the capacity probe; use this msgs/s")
     parser.add_argument("--fresh-db", action="store_true",
-                        help="restart Cassandra before the issue's sequence (a cold JVM), which then "
+                        help="restart Cassandra before the pause4+redis sequence (a cold JVM), which then "
                              "runs at its share of the capacity measured on a freshly restarted "
                              "Cassandra (a cold one serves far less than the warm one)")
     parser.add_argument("--short", action="store_true",
-                        help="the suite's version: the issue's sequence at half the capacity "
+                        help="the suite's version: the pause4+redis sequence at half the capacity "
                              "only, failing on losses, repeats and give-ups (timing goals reported)")
     args = parser.parse_args()
 
@@ -429,8 +430,8 @@ def main() -> int:
         print(f"{'scenario':<18} {'rate':>5} {'msgs':>6} {'lost':>4} {'rep':>4} {'gave-up':>7} "
               f"{'tries/msg':>9} {'floor':>5} {'goodput':>7} {'recovery':>8} {'pre-p99':>8}  faults", flush=True)
         every = scenarios(capacity)
-        # With --fresh-db the issue's sequence runs on a cold database, at
-        # its share of what a cold database serves (measured once, on a
+        # With --fresh-db the pause4+redis sequence runs on a cold database,
+        # at its share of what a cold database serves (measured once, on a
         # freshly restarted one): at a share of the warm capacity the cold
         # one was overloaded from the start (1.8x in one suite run), and the
         # phones that gave up measured Cassandra's warm-up, not the service.
@@ -453,7 +454,7 @@ def main() -> int:
                         f"acknowledged at {PROBE_RATE}/s offered")
                 scenario_capacity = cold_capacity
                 rate, duration, fault = scenarios(cold_capacity)[name]
-                # The issue's sequence runs on a freshly started database.
+                # The pause4+redis sequence runs on a freshly started database.
                 cassandra = restart_cassandra()
                 log(f"{name}: Cassandra restarted (pid {cassandra})")
             redis = Redis(procs, args.redis_server, tmp)

@@ -54,11 +54,11 @@ deploy/k8s/chart-test.sh
 # `cargo test` has built target/debug/imdedup and imdedup-load already.
 IMDEDUP_PROOF_NO_BUILD=1 deploy/local/observability-proof.sh
 
-# Past capacity (issue 21), the short version: the load driver's overload
-# scenario on the embedded backends, 4 s surges at 1.5x and 3x of a given
-# capacity; fails on a loss, a repeat or a message missed by the followers,
-# and prints the per-phase figures (the full run: README, "Overload: more
-# load than the service can serve").
+# Past capacity (more load than the service can serve), the short version:
+# the load driver's overload scenario on the embedded backends, 4 s surges at
+# 1.5x and 3x of a given capacity; fails on a loss, a repeat or a message
+# missed by the followers, and prints the per-phase figures (the full run:
+# README, "Overload: more load than the service can serve").
 target/debug/imdedup-load overload --embedded --capacity 600 --surge 4s \
   --group-share 0.2 --quiet | grep -v '^overload: per second'
 
@@ -67,10 +67,10 @@ target/debug/imdedup-load overload --embedded --capacity 600 --surge 4s \
 # map 2 -> 3 -> 2. One line each; every must-be-zero count must be 0.
 IMDEDUP_FAULTS_NO_BUILD=1 deploy/local/faults.sh
 
-# Overload (issue 14), the short version: the capacity of a cluster measured,
-# then, on a freshly restarted (cold) Cassandra, the issue's sequence at half
-# of it: Cassandra paused 4 s, Redis killed and restarted; fails on a loss, a
-# repeat or a phone giving up, and prints the goodput, recovery and tries
-# figures. Last in the suite, as it restarts the shared Cassandra. The full
-# set: deploy/local/overload.sh.
+# Overload with a stalled database, the short version: the capacity of a
+# cluster measured, then, on a freshly restarted (cold) Cassandra, the
+# pause4+redis sequence at half of it: Cassandra paused 4 s, Redis killed and
+# restarted; fails on a loss, a repeat or a phone giving up, and prints the
+# goodput, recovery and tries figures. Last in the suite, as it restarts the
+# shared Cassandra. The full set: deploy/local/overload.sh.
 IMDEDUP_OVERLOAD_NO_BUILD=1 deploy/local/overload.sh --short --fresh-db

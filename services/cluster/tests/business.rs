@@ -1,7 +1,9 @@
 //! The business API end to end: a backend system's calls over HTTP/JSON
 //! (`POST /v1/messages`) and gRPC (`imdedup.v1.BusinessService`), through
 //! the real gateways, ingest shards and storage, deduplicated on (account,
-//! idempotency key). Points 2 to 5 of the issue run on both backends.
+//! idempotency key). The deduplication cases (a repeated call, a key
+//! reused for another request, two copies at once, a call that failed) run
+//! on both backends.
 
 use std::sync::Arc;
 

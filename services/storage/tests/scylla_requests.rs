@@ -38,9 +38,9 @@ async fn each_database_request_is_counted_by_kind() {
     }
     let after = count();
     let delta: Vec<u64> = (0..4).map(|k| after[k] - before[k]).collect();
-    // Today's design (issue: at most one LWT and one write): the pending
-    // history row, the unique key's LWT, the commit. The membership's
-    // heartbeat (a write, a read) may land in between.
+    // Today's design (the target: at most one LWT and one write per
+    // message): the pending history row, the unique key's LWT, the commit.
+    // The membership's heartbeat (a write, a read) may land in between.
     assert_eq!(delta[0], n, "LWTs: {delta:?}");
     assert!((2 * n..=2 * n + 2).contains(&delta[1]), "writes: {delta:?}");
     assert!(delta[2] + delta[3] <= 2, "reads: {delta:?}");
