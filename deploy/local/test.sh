@@ -58,7 +58,7 @@ IMDEDUP_PROOF_NO_BUILD=1 deploy/local/observability-proof.sh
 # the load driver's overload scenario on the embedded backends, 4 s surges at
 # 1.5x and 3x of a given capacity; fails on a loss, a repeat or a message
 # missed by the followers, and prints the per-phase figures (the full run:
-# README, "Overload: more load than the service can serve").
+# docs/overload.md).
 target/debug/imdedup-load overload --embedded --capacity 600 --surge 4s \
   --group-share 0.2 --quiet | grep -v '^overload: per second'
 

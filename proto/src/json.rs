@@ -1,6 +1,6 @@
 //! The JSON text frames of the client WebSocket protocol. They carry the same
-//! fields as the binary frames in `imdedup/v1/gateway.proto`; the README
-//! documents both.
+//! fields as the binary frames in `imdedup/v1/gateway.proto`;
+//! `docs/protocol.md` documents both.
 //!
 //! A client message ID is bytes. In JSON it travels as `id` (a string whose
 //! UTF-8 bytes are the ID) or as `id_b64` (standard base64 of the bytes, for

@@ -5,10 +5,10 @@
 //!
 //! - the answer comes in the frame's encoding and is a well-formed server
 //!   frame: an error with a documented code, its `retryable` flag as the
-//!   README's table says, a message, and the `id` (or `ref`) the frame
-//!   carried; or, for a frame that happens to be a valid send, an ACK (or
-//!   `id_reused`, when its ID was stored with another message); or, for a
-//!   valid pull, its page;
+//!   protocol's table (docs/protocol.md) says, a message, and the `id` (or
+//!   `ref`) the frame carried; or, for a frame that happens to be a valid
+//!   send, an ACK (or `id_reused`, when its ID was stored with another
+//!   message); or, for a valid pull, its page;
 //! - bad input is refused finally (never a "retry" for a malformed frame);
 //!   a client frame turned away for load (`overloaded`, retryable, storing
 //!   nothing) is sent again after a pause, as a phone does;

@@ -3,7 +3,7 @@
 //! `HistoryQuery`, `MessageKey`) and token parsing and verification
 //! (`TokenKey`, `TokenVerifier`).
 //!
-//! Each property says what the README and the doc comments promise: any
+//! Each property says what the docs (docs/protocol.md) and the doc comments promise: any
 //! input is answered without a panic; what is accepted keeps the documented
 //! limits and is kept byte for byte; what is refused is refused with the
 //! documented kind (`invalid_argument` for fields, `unauthenticated` for

@@ -17,7 +17,7 @@ use governor::{
 };
 use imdedup_core::model::Sender;
 
-/// The gateway's limits; every one is a flag (see the README).
+/// The gateway's limits; every one is a flag (see docs/operations.md).
 #[derive(Debug, Clone)]
 pub struct Limits {
     /// From TCP accept to an authenticated WebSocket upgrade.

@@ -6,8 +6,9 @@
 //! - Any bytes, in either encoding, decode without a panic; what is refused
 //!   is `invalid_argument`, and the error, encoded back as the error frame
 //!   the phone gets, is a well-formed `ServerFrame` / JSON error frame with
-//!   the code and the `retryable` flag of the README's table, and names the
-//!   send (`id`) or pull (`ref`) the frame carried, never one it did not.
+//!   the code and the `retryable` flag of the protocol's table
+//!   (docs/protocol.md), and names the send (`id`) or pull (`ref`) the
+//!   frame carried, never one it did not.
 //! - What a JSON frame decodes to is exactly what its JSON says, with the
 //!   documented defaults; generated valid frames of both encodings decode
 //!   to the command they were made from; replies survive `encode`.
@@ -36,7 +37,7 @@ use prost::Message as _;
 use serde_json::{Map, Value, json};
 
 // ---------------------------------------------------------------------------
-// The protocol as the README states it
+// The protocol as docs/protocol.md states it
 
 /// Every error code of the client protocol and its `retryable` flag.
 const CODES: [(&str, bool); 9] = [
