@@ -45,7 +45,7 @@ use crate::{
     follow,
     phone::{Trace, wait_until},
     report::Report,
-    run::{LoadConfig, Outcome, Target, connect_all, due_after, pull_histories},
+    run::{LoadConfig, RunResult, Target, connect_all, due_after, pull_histories},
 };
 
 /// What the business scenario adds to a load run. Of the load's loss
@@ -216,7 +216,7 @@ fn timeouts(first: Duration, max: Duration, tries: u32) -> Vec<Duration> {
     out
 }
 
-pub async fn run(config: BusinessConfig) -> anyhow::Result<Outcome> {
+pub async fn run(config: BusinessConfig) -> anyhow::Result<RunResult> {
     let load = &config.load;
     if config.systems == 0 || load.users == 0 {
         bail!("--systems and --users must be at least 1");
@@ -477,7 +477,7 @@ pub async fn run(config: BusinessConfig) -> anyhow::Result<Outcome> {
             figures.key_reused
         );
     }
-    Ok(Outcome {
+    Ok(RunResult {
         seconds: None,
         report,
         audit: result,

@@ -20,4 +20,4 @@ pub mod report;
 pub mod run;
 pub mod search;
 
-pub use run::{LoadConfig, Outcome, run};
+pub use run::{LoadConfig, RunResult, run};

@@ -107,7 +107,7 @@ pub struct LoadConfig {
 }
 
 /// The result of a run.
-pub struct Outcome {
+pub struct RunResult {
     pub report: Report,
     pub audit: Audit,
     /// With a schedule: what happened per second and per message.
@@ -283,7 +283,7 @@ fn check(config: &LoadConfig) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
+pub async fn run(config: LoadConfig) -> anyhow::Result<RunResult> {
     check(&config)?;
     let clock = ManualClock::new();
     let dir = tempfile::tempdir()?;
@@ -662,7 +662,7 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<Outcome> {
     if let Some(cluster) = cluster {
         cluster.shutdown().await;
     }
-    Ok(Outcome {
+    Ok(RunResult {
         report,
         audit: result,
         seconds,

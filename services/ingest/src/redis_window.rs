@@ -1,15 +1,16 @@
 //! The Redis recent-ID window, for a single Redis or a Redis Cluster.
 //!
-//! Layout. Remembered IDs live in hashes, one per (shard, time bucket):
-//! `<prefix>{<shard>}b:<bucket>`, field = the injective (sender, ID) key,
+//! Layout. Remembered IDs live in hashes, one per (partition, time bucket):
+//! `<prefix>{<partition>}b:<bucket>`, field = the injective (sender, ID) key,
 //! value = the receipt (`A` + server id + seq as varints). Small hashes are
 //! stored by Redis as listpacks, about 40 bytes per ID instead of the ~150 of
 //! a key of its own with a TTL; each bucket hash expires as a whole, a TTL
 //! plus one bucket after its last write, so an ID is remembered for at least
 //! the TTL. Claims in flight are short-lived plain keys,
-//! `<prefix>{<shard>}p:<key>`, with the claim TTL. The `{shard}` hash tag
-//! keeps all keys of one ID in one cluster slot, so every step is one
-//! atomic script on one node.
+//! `<prefix>{<partition>}p:<key>`, with the claim TTL. The `{partition}`
+//! hash tag keeps all keys of one ID in one cluster slot, so every step is
+//! one atomic script on one node. (A partition here is only a spread of
+//! keys; it has nothing to do with the ingest shards.)
 //!
 //! - claim (one round trip): the ID in a live bucket is a repeat, answered
 //!   with its receipt without touching the database; else
@@ -117,10 +118,10 @@ pub struct RedisWindowOptions {
     /// `rediss://` URLs, read when connecting; without it the webpki roots
     /// are trusted.
     pub ca_file: Option<std::path::PathBuf>,
-    /// Hashes per time bucket. Size it so a bucket hash holds up to ~100
+    /// Hashes (partitions) per time bucket. Size it so a bucket hash holds up to ~100
     /// IDs at peak (IDs per second x bucket span / 100): Redis keeps hashes of
     /// up to 128 entries (`hash-max-listpack-entries`) in the compact form.
-    pub shards: u32,
+    pub partitions: u32,
     /// Time span of one bucket.
     pub bucket_span: Duration,
 }
@@ -156,7 +157,7 @@ impl RedisWindowOptions {
             breaker_cooldown: Duration::from_secs(1),
             warmup: Duration::from_secs(5),
             ca_file: None,
-            shards: 8192,
+            partitions: 8192,
             bucket_span: Duration::from_secs(60),
         }
     }
@@ -346,8 +347,8 @@ impl RedisWindow {
 
     fn keys(&self, key: &MessageKey) -> Keys {
         let field = key.to_bytes();
-        let shard = stable_hash(&[&field]) % u64::from(self.options.shards.max(1));
-        let base = format!("{}{{{shard}}}", self.options.key_prefix);
+        let partition = stable_hash(&[&field]) % u64::from(self.options.partitions.max(1));
+        let base = format!("{}{{{partition}}}", self.options.key_prefix);
         let span = self.span_ms();
         let now = u64::try_from(
             SystemTime::now()
