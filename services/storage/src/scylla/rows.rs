@@ -83,27 +83,30 @@ pub(super) struct HistoryRow {
 
 impl HistoryRow {
     pub(super) fn into_message(self) -> Result<StoredMessage, Error> {
-        let missing = |name: &str| {
-            Error::internal(format!(
-                "history row {}/{} without {name}",
-                self.conversation, self.seq
-            ))
-        };
-        let sender = self.sender.clone().ok_or_else(|| missing("sender"))?;
-        let id = self
-            .client_msg_id
-            .clone()
-            .ok_or_else(|| missing("client_msg_id"))?;
-        let body = self.body.clone().ok_or_else(|| missing("body"))?;
-        let server_id = self.server_id.ok_or_else(|| missing("server_id"))?;
-        let stored_at_ms = self.stored_at_ms.ok_or_else(|| missing("stored_at_ms"))?;
-        stored_message(
+        let Self {
             sender,
-            id,
-            self.conversation,
+            client_msg_id,
+            conversation,
             body,
-            [server_id, self.seq, stored_at_ms],
-        )
+            server_id,
+            seq,
+            stored_at_ms,
+            ..
+        } = self;
+        match (sender, client_msg_id, body, server_id, stored_at_ms) {
+            (Some(sender), Some(id), Some(body), Some(server_id), Some(stored_at_ms)) => {
+                stored_message(
+                    sender,
+                    id,
+                    conversation,
+                    body,
+                    [server_id, seq, stored_at_ms],
+                )
+            }
+            _ => Err(Error::internal(format!(
+                "history row {conversation}/{seq} without its message"
+            ))),
+        }
     }
 }
 
