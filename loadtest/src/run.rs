@@ -304,7 +304,9 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<RunResult> {
         Target::Embedded { shards } => {
             let mut options = ClusterOptions::new(dir.path(), Arc::new(clock.clone()));
             options.shards = *shards;
-            options.dedup_off = config.dedup_off;
+            if config.dedup_off {
+                options.backends = imdedup_cluster::Backends::WithoutDedup;
+            }
             options.authz = Authorizer::members(GroupsFile::fixed(groups)?);
             // The driver's phones are machines: each sends far faster than
             // a person, so the per-user send rate must not be what is

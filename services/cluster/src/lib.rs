@@ -5,6 +5,7 @@
 
 #[cfg(feature = "otlp-receiver")]
 pub mod otlp_receiver;
+pub mod without_dedup;
 
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
@@ -29,6 +30,7 @@ use imdedup_ingest::{
 use imdedup_storage::{ScyllaOptions, ScyllaStore, SqliteOptions, SqliteStore};
 use tokio::{net::TcpListener, task::JoinHandle};
 use tokio_util::sync::CancellationToken;
+use without_dedup::{ForgetfulWindow, StoreWithoutUniqueKey};
 
 /// The secret behind [`LocalCluster::token`]: for local use only.
 pub const DEV_TOKEN_SECRET: &str = "imdedup-local-dev-secret-not-for-production";
@@ -49,6 +51,11 @@ pub enum Backends {
         redis: RedisWindowOptions,
         scylla: ScyllaOptions,
     },
+    /// What a server without dedup does, to show what dedup prevents: a
+    /// window that remembers nothing and an in-memory store without a
+    /// unique key behind the storage service ([`without_dedup`]), so every
+    /// copy that arrives is stored again. Only this local cluster has it.
+    WithoutDedup,
 }
 
 #[derive(Clone)]
@@ -74,9 +81,6 @@ pub struct ClusterOptions {
     /// The first gateway's business gRPC address (port 0: a free one);
     /// served when the business API is on.
     pub business_grpc_addr: SocketAddr,
-    /// Store every copy that arrives, to show what dedup prevents. Only this
-    /// local cluster offers it; the standalone ingest refuses it.
-    pub dedup_off: bool,
     /// Who may send to and read each conversation (default: direct
     /// conversations only).
     pub authz: Authorizer,
@@ -106,7 +110,6 @@ impl ClusterOptions {
             gateways: 1,
             service_token_secret: Some(DEV_SERVICE_TOKEN_SECRET.to_owned()),
             business_grpc_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
-            dedup_off: false,
             authz: Authorizer::direct_only(),
             internal_tls: InternalTls::Plaintext,
             reflection: false,
@@ -223,9 +226,8 @@ impl LocalCluster {
         let storage_addr = storage_listener.local_addr()?;
         let mut storage_registry = Registry::default();
         let storage_metrics = StoreMetrics::register(&mut storage_registry);
-        let (storage, storage_store) =
-            start_storage(&options, storage_listener, storage_metrics.clone()).await?;
-        let storage = Some(storage);
+        let storage =
+            Some(start_storage(&options, storage_listener, storage_metrics.clone()).await?);
         let storage_url = format!("http://{storage_addr}");
         let mut admins = vec![start_admin("storage".to_owned(), storage_registry).await?];
 
@@ -248,17 +250,19 @@ impl LocalCluster {
                             )
                             .with_metrics(metrics.window.clone()),
                         ),
-                        if options.dedup_off {
-                            // Copies are stored in process: no storage
-                            // service offers them over the wire.
-                            Arc::clone(&storage_store)
-                        } else {
-                            Arc::new(RemoteStore::connect_lazy(
-                                &storage_url,
-                                options.storage_timeout,
-                                &options.internal_tls,
-                            )?)
-                        },
+                        Arc::new(RemoteStore::connect_lazy(
+                            &storage_url,
+                            options.storage_timeout,
+                            &options.internal_tls,
+                        )?),
+                    ),
+                    Backends::WithoutDedup => (
+                        Arc::new(ForgetfulWindow),
+                        Arc::new(RemoteStore::connect_lazy(
+                            &storage_url,
+                            options.storage_timeout,
+                            &options.internal_tls,
+                        )?),
                     ),
                     // Each shard has its own window client and its own store
                     // (its own seq leases), as separate processes would.
@@ -279,12 +283,10 @@ impl LocalCluster {
                     ),
                 };
             admins.push(start_admin(shard_name, registry).await?);
-            let mut dedup = Dedup::new(window, Arc::clone(&store), options.storage_timeout)
-                .with_metrics(metrics);
-            if options.dedup_off {
-                dedup = dedup.without_dedup_for_demonstration();
-            }
-            let dedup = Arc::new(dedup);
+            let dedup = Arc::new(
+                Dedup::new(window, Arc::clone(&store), options.storage_timeout)
+                    .with_metrics(metrics),
+            );
             let serving = Arc::clone(&dedup);
             let max_body = options.max_body_bytes;
             let serve_options = options.serving(&[names::GATEWAY])?;
@@ -485,14 +487,14 @@ impl LocalCluster {
         }
     }
 
-    /// Start storage again on the same port and database.
+    /// Start storage again on the same port and database (without dedup, on
+    /// an empty store: that one lives in memory).
     pub async fn restart_storage(&mut self) -> anyhow::Result<()> {
         self.stop_storage().await;
         // The old writer thread lets go of the file once its queue closes.
         let listener = bind(self.storage_addr).await?;
-        let (storage, _) =
-            start_storage(&self.options, listener, self.storage_metrics.clone()).await?;
-        self.storage = Some(storage);
+        self.storage =
+            Some(start_storage(&self.options, listener, self.storage_metrics.clone()).await?);
         Ok(())
     }
 
@@ -524,13 +526,14 @@ async fn start_storage(
     options: &ClusterOptions,
     listener: TcpListener,
     metrics: StoreMetrics,
-) -> anyhow::Result<(Running, Arc<dyn MessageStore>)> {
+) -> anyhow::Result<Running> {
     let store: Arc<dyn MessageStore> = match &options.backends {
         Backends::Embedded => {
             let mut sqlite = SqliteOptions::new(options.data_dir.join("messages.db"));
             sqlite.metrics = metrics;
             Arc::new(SqliteStore::open(&sqlite).context("cannot open the embedded database")?)
         }
+        Backends::WithoutDedup => Arc::new(StoreWithoutUniqueKey::new()),
         Backends::Real { scylla, .. } => Arc::new(
             ScyllaStore::open(ScyllaOptions {
                 metrics,
@@ -541,12 +544,10 @@ async fn start_storage(
         ),
     };
     let serve_options = options.serving(&[names::INGEST, names::GATEWAY])?;
-    let serving = Arc::clone(&store);
-    let running = spawn("storage", move |stop| async move {
+    Ok(spawn("storage", move |stop| async move {
         let served =
-            imdedup_storage::serve(listener, Arc::clone(&serving), serve_options, stop).await;
-        serving.drain().await;
+            imdedup_storage::serve(listener, Arc::clone(&store), serve_options, stop).await;
+        store.drain().await;
         served
-    });
-    Ok((running, store))
+    }))
 }

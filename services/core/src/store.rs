@@ -38,15 +38,6 @@ impl Insert {
 pub trait MessageStore: Send + Sync + 'static {
     async fn insert_once(&self, message: NewMessage) -> Result<Insert, Error>;
 
-    /// Store another copy even if the key is stored: what a server without
-    /// dedup does. Exists only to demonstrate the problem, in process (the
-    /// local cluster with dedup off); no gRPC API offers it, and a backend
-    /// may refuse.
-    async fn insert_copy(&self, message: NewMessage) -> Result<StoredMessage, Error> {
-        let _ = message;
-        Err(Error::invalid("this backend does not store copies"))
-    }
-
     async fn lookup(&self, key: &MessageKey) -> Result<Option<StoredMessage>, Error>;
 
     async fn history(&self, query: &HistoryQuery) -> Result<Vec<StoredMessage>, Error>;

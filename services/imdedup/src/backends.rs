@@ -19,8 +19,10 @@ pub struct LocalBackendArgs {
     /// How long the recent-ID window remembers a stored ID.
     #[arg(long, default_value = "5m", value_parser = duration)]
     pub window_ttl: Duration,
-    /// Switch dedup off (store whatever arrives), to see the repeats it
-    /// prevents. Local mode only.
+    /// Run without dedup: a window that remembers nothing and an in-memory
+    /// store without a unique key, so whatever arrives is stored; to see
+    /// the repeats dedup prevents. Local mode only; not with --redis or
+    /// --scylla.
     #[arg(long)]
     pub no_dedup: bool,
     #[command(flatten)]
@@ -30,23 +32,25 @@ pub struct LocalBackendArgs {
 }
 
 impl LocalBackendArgs {
-    /// Set the window, the backends and the dedup switch of `options`: the
-    /// real backends when both --redis and --scylla are given, the embedded
-    /// ones when neither is.
+    /// Set the window and the backends of `options`: the real backends when
+    /// both --redis and --scylla are given, the embedded ones when neither
+    /// is, and the backends without dedup with --no-dedup.
     pub fn apply(&self, options: &mut ClusterOptions) -> anyhow::Result<()> {
         options.window = MemoryWindowOptions {
             ttl: self.window_ttl,
             ..MemoryWindowOptions::default()
         };
-        options.backends = match (
-            self.redis.options(self.window_ttl, DEFAULT_CLAIM_TTL)?,
-            self.scylla.options_with_default_rf(1)?,
-        ) {
+        let redis = self.redis.options(self.window_ttl, DEFAULT_CLAIM_TTL)?;
+        let scylla = self.scylla.options_with_default_rf(1)?;
+        options.backends = match (redis, scylla) {
+            (None, None) if self.no_dedup => Backends::WithoutDedup,
+            _ if self.no_dedup => anyhow::bail!(
+                "--no-dedup runs on backends of its own (in memory): drop --redis and --scylla"
+            ),
             (Some(redis), Some(scylla)) => Backends::Real { redis, scylla },
             (None, None) => Backends::Embedded,
             _ => anyhow::bail!("give both --redis and --scylla, or neither (embedded backends)"),
         };
-        options.dedup_off = self.no_dedup;
         Ok(())
     }
 }

@@ -213,7 +213,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     args.backends.apply(&mut options)?;
     let redis = match &options.backends {
         Backends::Real { redis, .. } => Some(redis.clone()),
-        Backends::Embedded => None,
+        Backends::Embedded | Backends::WithoutDedup => None,
     };
     let real = redis.is_some();
     // A database that outlives the run gets a conversation of this run's

@@ -83,6 +83,9 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
             )
         }
         Backends::Embedded => format!("embedded backends, data in {}", args.data_dir.display()),
+        Backends::WithoutDedup => "no dedup: a window that remembers nothing and a store without \
+             a unique key, in memory"
+            .to_owned(),
     };
     crate::authz::warn_if_open(&options.authz);
     // From here on a Ctrl-C or SIGTERM stops the cluster gracefully, even

@@ -77,8 +77,6 @@ pub struct Dedup {
     storage_timeout: Duration,
     stats: DedupStats,
     metrics: IngestMetrics,
-    /// Store whatever arrives (a demonstration of the problem; local only).
-    dedup_off: bool,
     /// The conversations this shard may answer for; `None` answers all.
     ownership: Option<Ownership>,
     /// Inserts running, one per key.
@@ -127,7 +125,6 @@ impl Dedup {
             storage_timeout,
             stats: DedupStats::default(),
             metrics,
-            dedup_off: false,
             ownership: None,
             in_flight: Arc::default(),
         }
@@ -145,13 +142,6 @@ impl Dedup {
     /// shard map never has two shards write one conversation.
     pub fn with_ownership(mut self, ownership: Ownership) -> Self {
         self.ownership = Some(ownership);
-        self
-    }
-
-    /// Switch dedup off: every copy that arrives is stored again. Exists to
-    /// show what dedup prevents; only the local cluster offers it.
-    pub fn without_dedup_for_demonstration(mut self) -> Self {
-        self.dedup_off = true;
         self
     }
 
@@ -211,21 +201,6 @@ impl Dedup {
     async fn decide(&self, message: NewMessage, deadline: Option<Instant>) -> Result<Ack, Error> {
         if let Some(ownership) = &self.ownership {
             ownership.check(&message.conversation)?;
-        }
-        if self.dedup_off {
-            let started = Instant::now();
-            let row = tokio::time::timeout(
-                self.storage_timeout,
-                self.store.insert_copy(message.clone()),
-            )
-            .await
-            .map_err(|_| Error::new(ErrorKind::DeadlineExceeded, "storage did not answer"))
-            .and_then(|inserted| inserted);
-            self.metrics
-                .storage_call("insert", started.elapsed(), row.is_ok());
-            let row = row?;
-            bump(&self.stats.stored);
-            return Ok(ack(&message, row.receipt, Outcome::Stored));
         }
         let key = message.key.clone();
         let claim = match self.window.claim(&key).await {

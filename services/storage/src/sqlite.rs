@@ -40,8 +40,7 @@ CREATE TABLE IF NOT EXISTS messages (
     seq           INTEGER NOT NULL,
     body          TEXT    NOT NULL,
     stored_at_ms  INTEGER NOT NULL,
-    copy          INTEGER NOT NULL DEFAULT 0, -- above 0 only with dedup off (a demonstration)
-    UNIQUE (sender, client_msg_id, copy),
+    UNIQUE (sender, client_msg_id),
     UNIQUE (conversation, seq)
 );
 CREATE TABLE IF NOT EXISTS conversations (
@@ -82,8 +81,6 @@ impl SqliteOptions {
 
 struct WriteJob {
     message: NewMessage,
-    /// Store another copy even if the key is stored (dedup off).
-    copy: bool,
     reply: oneshot::Sender<Result<Insert, Error>>,
 }
 
@@ -233,7 +230,7 @@ fn write_batch(
     let mut results = Vec::with_capacity(batch.len());
     for job in batch {
         let mut savepoint = tx.savepoint()?;
-        match insert_one(&savepoint, &job.message, now_ms, job.copy) {
+        match insert_one(&savepoint, &job.message, now_ms) {
             Ok(stored) => {
                 savepoint.commit()?;
                 results.push(Ok(Insert::Stored(stored)));
@@ -263,7 +260,6 @@ fn insert_one(
     conn: &Connection,
     message: &NewMessage,
     now_ms: i64,
-    copy: bool,
 ) -> rusqlite::Result<StoredMessage> {
     let seq: i64 = conn
         .prepare_cached(
@@ -273,10 +269,8 @@ fn insert_one(
         )?
         .query_row(params![message.conversation.as_str()], |row| row.get(0))?;
     conn.prepare_cached(
-        "INSERT INTO messages (sender, client_msg_id, conversation, seq, body, stored_at_ms, copy)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, CASE WHEN ?7 THEN
-             (SELECT COALESCE(MAX(copy), -1) + 1 FROM messages WHERE sender = ?1 AND client_msg_id = ?2)
-         ELSE 0 END)",
+        "INSERT INTO messages (sender, client_msg_id, conversation, seq, body, stored_at_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
     )?
     .execute(params![
         message.key.sender.as_str(),
@@ -285,7 +279,6 @@ fn insert_one(
         seq,
         message.body.as_str(),
         now_ms,
-        copy,
     ])?;
     Ok(StoredMessage {
         key: message.key.clone(),
@@ -309,7 +302,8 @@ fn is_unique_violation(e: &rusqlite::Error) -> bool {
 
 fn select_by_key(conn: &Connection, key: &MessageKey) -> rusqlite::Result<Option<StoredMessage>> {
     conn.prepare_cached(&format!(
-        "SELECT {COLUMNS} FROM messages WHERE sender = ?1 AND client_msg_id = ?2 AND copy = 0"
+        "SELECT {COLUMNS} FROM messages WHERE sender = ?1 AND client_msg_id = ?2
+         ORDER BY server_id LIMIT 1"
     ))?
     .query_row(
         params![key.sender.as_str(), key.client_msg_id.as_bytes()],
@@ -355,34 +349,12 @@ impl SqliteStore {
     async fn insert_once_uncounted(&self, message: NewMessage) -> Result<Insert, Error> {
         let (reply, answer) = oneshot::channel();
         self.writer
-            .send(WriteJob {
-                message,
-                copy: false,
-                reply,
-            })
+            .send(WriteJob { message, reply })
             .await
             .map_err(|_| Error::unavailable("storage writer has stopped"))?;
         answer
             .await
             .map_err(|_| Error::unavailable("storage writer has stopped"))?
-    }
-
-    async fn insert_copy_uncounted(&self, message: NewMessage) -> Result<StoredMessage, Error> {
-        let (reply, answer) = oneshot::channel();
-        self.writer
-            .send(WriteJob {
-                message,
-                copy: true,
-                reply,
-            })
-            .await
-            .map_err(|_| Error::unavailable("storage writer has stopped"))?;
-        match answer
-            .await
-            .map_err(|_| Error::unavailable("storage writer has stopped"))??
-        {
-            Insert::Stored(row) | Insert::AlreadyStored(row) => Ok(row),
-        }
     }
 }
 
@@ -406,16 +378,6 @@ impl MessageStore for SqliteStore {
         if let Ok(insert) = &result {
             self.metrics
                 .inserted(DB_SQLITE, matches!(insert, Insert::Stored(_)));
-        }
-        result
-    }
-
-    async fn insert_copy(&self, message: NewMessage) -> Result<StoredMessage, Error> {
-        let started = Instant::now();
-        let result = self.insert_copy_uncounted(message).await;
-        self.record("insert", started, &result);
-        if result.is_ok() {
-            self.metrics.inserted(DB_SQLITE, true);
         }
         result
     }
@@ -465,6 +427,72 @@ mod tests {
             conversation: ConversationId::parse("ana-ben").unwrap(),
             body: imdedup_core::model::Body::parse("hi", 100).unwrap(),
         }
+    }
+
+    /// Files written before the dedup-off demonstration left this store
+    /// had a `copy` column inside the unique key; a copy was stored under the
+    /// same key with `copy` above 0.
+    const SCHEMA_WITH_COPIES: &str = "
+        CREATE TABLE messages (
+            server_id     INTEGER PRIMARY KEY,
+            sender        TEXT    NOT NULL,
+            client_msg_id BLOB    NOT NULL,
+            conversation  TEXT    NOT NULL,
+            seq           INTEGER NOT NULL,
+            body          TEXT    NOT NULL,
+            stored_at_ms  INTEGER NOT NULL,
+            copy          INTEGER NOT NULL DEFAULT 0,
+            UNIQUE (sender, client_msg_id, copy),
+            UNIQUE (conversation, seq)
+        );
+        CREATE TABLE conversations (
+            conversation TEXT    PRIMARY KEY,
+            last_seq     INTEGER NOT NULL
+        ) WITHOUT ROWID;
+        INSERT INTO messages VALUES (1, 'ana', X'6D31', 'ana-ben', 1, 'hi', 1000, 0);
+        INSERT INTO messages VALUES (2, 'ana', X'6D31', 'ana-ben', 2, 'hi', 1001, 1);
+        INSERT INTO messages VALUES (3, 'ana', X'6D32', 'ana-ben', 3, 'hi', 1002, 0);
+        INSERT INTO conversations VALUES ('ana-ben', 3);
+    ";
+
+    #[tokio::test]
+    async fn a_file_from_before_keeps_every_row_and_its_unique_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("messages.db");
+        Connection::open(&path)
+            .unwrap()
+            .execute_batch(SCHEMA_WITH_COPIES)
+            .unwrap();
+        let store = SqliteStore::open(&SqliteOptions::new(&path)).unwrap();
+
+        let query = HistoryQuery::new(ConversationId::parse("ana-ben").unwrap(), 0, 10).unwrap();
+        let seqs: Vec<u64> = (store.history(&query).await.unwrap().iter())
+            .map(|row| row.receipt.seq)
+            .collect();
+        assert_eq!(seqs, [1, 2, 3], "every row, the copy too");
+        // A key stored before, copies and all, answers with its first row.
+        let first = Receipt {
+            server_id: 1,
+            seq: 1,
+        };
+        assert_eq!(
+            store
+                .lookup(&message("m1").key)
+                .await
+                .unwrap()
+                .unwrap()
+                .receipt,
+            first
+        );
+        match store.insert_once(message("m1")).await.unwrap() {
+            Insert::AlreadyStored(row) => assert_eq!(row.receipt, first),
+            other => panic!("stored again: {other:?}"),
+        }
+        match store.insert_once(message("m3")).await.unwrap() {
+            Insert::Stored(row) => assert_eq!(row.receipt.seq, 4),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(store.history(&query).await.unwrap().len(), 4);
     }
 
     #[tokio::test]

@@ -131,7 +131,7 @@ impl Harness {
     /// test's keys (what expiry does), after checking they carry the TTL.
     pub async fn expire_window(&self) {
         match &self.options.backends {
-            Backends::Embedded => self
+            Backends::Embedded | Backends::WithoutDedup => self
                 .clock
                 .advance(DEFAULT_WINDOW_TTL + Duration::from_secs(1)),
             Backends::Real { redis, .. } => {
@@ -169,7 +169,7 @@ impl Harness {
     /// unique-key table, so every insert fails in the database itself.
     pub async fn break_storage(&mut self) {
         match &self.options.backends {
-            Backends::Embedded => self.cluster.stop_storage().await,
+            Backends::Embedded | Backends::WithoutDedup => self.cluster.stop_storage().await,
             Backends::Real { scylla, .. } => {
                 let session = imdedup_storage::scylla::connect(scylla).await.unwrap();
                 session
@@ -187,7 +187,9 @@ impl Harness {
     /// real one is migrated again, as at startup).
     pub async fn repair_storage(&mut self) {
         match &self.options.backends {
-            Backends::Embedded => self.cluster.restart_storage().await.unwrap(),
+            Backends::Embedded | Backends::WithoutDedup => {
+                self.cluster.restart_storage().await.unwrap()
+            }
             Backends::Real { scylla, .. } => {
                 let session = imdedup_storage::scylla::connect(scylla).await.unwrap();
                 imdedup_storage::scylla::migrate(&session, scylla)

@@ -86,11 +86,6 @@ pub struct IngestArgs {
     /// refused with `overloaded` (0s: refused at once).
     #[arg(long, env = "IMDEDUP_DB_QUEUE_WAIT", default_value = "800ms", value_parser = duration)]
     pub db_queue_wait: Duration,
-    /// Refused: switching dedup off exists only for demonstrations, in
-    /// local mode (`imdedup demo --no-dedup`, `imdedup dev --no-dedup`,
-    /// `imdedup-load --embedded --no-dedup`).
-    #[arg(long, hide = true)]
-    pub no_dedup: bool,
     /// Fail this share (0 to 1) of the writes that publish a stored
     /// message, as if the database had timed out: for fault tests only.
     #[arg(long, env = "IMDEDUP_FAULT_COMMIT_FAILURES", hide = true)]
@@ -129,12 +124,6 @@ pub(super) struct IngestPlan {
 
 impl IngestArgs {
     pub(super) fn plan(&self) -> anyhow::Result<IngestPlan> {
-        if self.no_dedup {
-            anyhow::bail!(
-                "--no-dedup is refused outside local mode: it exists to demonstrate duplicates \
-                 (imdedup demo --no-dedup, imdedup dev --no-dedup)"
-            );
-        }
         let shard = shard_name(self.shard_name.clone(), std::env::var("HOSTNAME").ok());
         let ownership = if self.shards.is_empty() {
             None
