@@ -275,6 +275,12 @@ def main() -> int:
     parser.add_argument("--cassandra-cluster", action="store_true",
                         help="the database faults, on services.sh's three-node cluster")
     args = parser.parse_args()
+    ingest_help = subprocess.run([args.imdedup, "ingest", "--help"], capture_output=True,
+                                 text=True, check=True).stdout
+    if "--fault-commit-failures" not in ingest_help:
+        print(f"faults: {args.imdedup} has no fault injection; build it with "
+              "`cargo build -p imdedup --features testing`", file=sys.stderr)
+        return 2
 
     tmp = Path(tempfile.mkdtemp(prefix="imdedup-faults-"))
     procs = Processes(tmp)

@@ -25,12 +25,13 @@
 # for 10 s, like a long GC pause), two-nodes-down (no quorum for 6 s).
 #
 # Uses the services of deploy/local/services.sh (started if not running) and
-# builds target/debug/imdedup and imdedup-load unless IMDEDUP_FAULTS_NO_BUILD=1.
+# builds target/debug/imdedup (with the `testing` feature: the fault-injection
+# flags) and imdedup-load unless IMDEDUP_FAULTS_NO_BUILD=1.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
 if [ "${IMDEDUP_FAULTS_NO_BUILD:-}" != 1 ]; then
-  cargo build --locked -q -p imdedup -p imdedup-loadtest
+  cargo build --locked -q -p imdedup -p imdedup-loadtest --features imdedup/testing
 fi
 target_dir=$(cargo metadata --format-version 1 --no-deps 2>/dev/null \
   | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])' 2>/dev/null || echo target)

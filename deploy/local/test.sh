@@ -18,13 +18,16 @@ fi
 # (cargo-machete, installed once from crates.io).
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -q -- -D warnings
+# The suite builds with the `testing` feature (fault injection for the
+# fault tests and scenarios); production builds never have it.
+cargo clippy --workspace --all-targets --locked -q --features imdedup/testing -- -D warnings
 if ! command -v cargo-machete >/dev/null 2>&1; then
   cargo install --locked -q cargo-machete@0.9.2
 fi
 cargo machete
 
 # Build first, so the services do not sit idle through a cold compile.
-cargo test --workspace --locked --no-run
+cargo test --workspace --locked --features imdedup/testing --no-run
 
 # Stop the services at the end only if none were running before.
 started_here=0
@@ -41,7 +44,7 @@ trap stop_services EXIT
 eval "$(deploy/local/services.sh up --redis --cassandra --redis-cluster)"
 export IMDEDUP_TEST_REDIS_URL IMDEDUP_TEST_SCYLLA IMDEDUP_TEST_REDIS_CLUSTER
 
-cargo test --workspace --locked "$@"
+cargo test --workspace --locked --features imdedup/testing "$@"
 
 # The Helm chart's offline checks: lint, renders validated against the
 # Kubernetes and CRD schemas, helm-unittest, and every rendered container's

@@ -87,8 +87,10 @@ pub struct IngestArgs {
     #[arg(long, env = "IMDEDUP_DB_QUEUE_WAIT", default_value = "800ms", value_parser = duration)]
     pub db_queue_wait: Duration,
     /// Fail this share (0 to 1) of the writes that publish a stored
-    /// message, as if the database had timed out: for fault tests only.
-    #[arg(long, env = "IMDEDUP_FAULT_COMMIT_FAILURES", hide = true)]
+    /// message, as if the database had timed out: for fault tests only (a
+    /// build with the `testing` feature).
+    #[cfg(feature = "testing")]
+    #[arg(long, env = "IMDEDUP_FAULT_COMMIT_FAILURES")]
     pub fault_commit_failures: Option<f64>,
     #[command(flatten)]
     pub redis: RedisArgs,
@@ -135,6 +137,7 @@ impl IngestArgs {
             // Conversations are owned under the shard's name: a restart
             // under the same name takes its own back.
             scylla.member_name.clone_from(&shard);
+            #[cfg(feature = "testing")]
             if let Some(rate) = self.fault_commit_failures {
                 tracing::warn!(rate, "injecting history commit failures");
                 scylla.faults.fail_commits_at_rate(rate);

@@ -25,6 +25,8 @@
 //! blocks), [`members`] (writer membership), [`publish`] (pending rows and
 //! what readers see); the store and its insert are here.
 
+#[cfg(feature = "testing")]
+mod faults;
 mod leases;
 mod members;
 mod options;
@@ -51,7 +53,9 @@ use tokio::sync::Mutex;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-pub use options::{Faults, ScyllaOptions, parse_consistency, parse_serial_consistency};
+#[cfg(feature = "testing")]
+pub use faults::Faults;
+pub use options::{ScyllaOptions, parse_consistency, parse_serial_consistency};
 pub use requests::RequestKind;
 pub use schema::{is_scylla, migrate};
 pub use session::connect;

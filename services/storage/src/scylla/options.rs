@@ -1,9 +1,6 @@
 //! The store's settings and the names of consistency levels.
 
-use std::{
-    sync::atomic::{AtomicU32, AtomicU64, Ordering},
-    time::Duration,
-};
+use std::time::Duration;
 
 use imdedup_core::{Error, metrics::StoreMetrics, secret::Secret};
 use scylla::statement::{Consistency, SerialConsistency};
@@ -56,47 +53,8 @@ pub struct ScyllaOptions {
     /// Until then, readers stop at it.
     pub pending_fence: Duration,
     /// Faults to inject, for tests and the fault scenarios.
-    pub faults: Faults,
-}
-
-/// Faults the store injects on purpose: failing the write that publishes a
-/// stored message (the history row's commit). Off unless set.
-#[derive(Debug, Clone, Default)]
-pub struct Faults {
-    inner: std::sync::Arc<FaultCounters>,
-}
-
-#[derive(Debug, Default)]
-struct FaultCounters {
-    next_commits: AtomicU64,
-    commit_rate_ppm: AtomicU32,
-    rolls: AtomicU64,
-}
-
-impl Faults {
-    /// Fail the next `n` commits.
-    pub fn fail_next_commits(&self, n: u64) {
-        self.inner.next_commits.store(n, Ordering::SeqCst);
-    }
-
-    /// Fail this share of commits (0.0 to 1.0).
-    pub fn fail_commits_at_rate(&self, rate: f64) {
-        let ppm = (rate.clamp(0.0, 1.0) * 1_000_000.0) as u32;
-        self.inner.commit_rate_ppm.store(ppm, Ordering::SeqCst);
-    }
-
-    /// Whether this commit is to fail.
-    pub(super) fn commit_fails(&self) -> bool {
-        let counters = &self.inner;
-        let counted = counters
-            .next_commits
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-            .is_ok();
-        let ppm = u64::from(counters.commit_rate_ppm.load(Ordering::Relaxed));
-        // A cheap, evenly spread sequence: every (1e6 / ppm)-th commit.
-        let roll = counters.rolls.fetch_add(1, Ordering::Relaxed);
-        counted || (ppm > 0 && (roll.wrapping_mul(ppm) % 1_000_000) < ppm)
-    }
+    #[cfg(feature = "testing")]
+    pub faults: super::faults::Faults,
 }
 
 impl ScyllaOptions {
@@ -122,7 +80,8 @@ impl ScyllaOptions {
             member_ttl: Duration::from_secs(10),
             clock_skew: Duration::from_secs(2),
             pending_fence: Duration::from_secs(30),
-            faults: Faults::default(),
+            #[cfg(feature = "testing")]
+            faults: super::faults::Faults::default(),
         }
     }
 

@@ -69,6 +69,7 @@ impl Inner {
     /// Publish `row`: its key is stored. Also writes the whole row, so it
     /// repairs a history row that was never written.
     pub(super) async fn commit(&self, row: &StoredMessage) -> Result<(), Error> {
+        #[cfg(feature = "testing")]
         if self.options.faults.commit_fails() {
             return Err(maybe_stored("history commit", "injected fault"));
         }
