@@ -1,12 +1,16 @@
 //! Wire types of imdedup: the gRPC services between gateway, ingest and
 //! storage, and the binary client frames. Shared by clients and servers.
 //!
-//! Nothing here is validated: handlers convert these types into the domain
-//! types of `imdedup-core` once, at the edge.
+//! The generated types are not validated: handlers convert them into the
+//! domain types of `imdedup-domain` once, at the edge ([`convert`]).
 //!
-//! [`json`] holds the JSON text frames of the client protocol.
+//! - [`json`]: the JSON text frames of the client protocol;
+//! - [`convert`]: wire types to domain types (validating) and back;
+//! - [`status`]: the one codec between domain errors and gRPC statuses.
 
+pub mod convert;
 pub mod json;
+pub mod status;
 
 /// Version 1 of the protocol, package `imdedup.v1`.
 pub mod v1 {

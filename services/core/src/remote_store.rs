@@ -23,6 +23,7 @@ use crate::{
 };
 use async_trait::async_trait;
 use futures_util::StreamExt;
+use imdedup_proto::status::from_status;
 use imdedup_proto::v1::{self as pb, insert_result, storage_service_client::StorageServiceClient};
 use tonic::transport::{Channel, Endpoint};
 
@@ -87,9 +88,9 @@ impl HopCall for InsertStreamCall {
                     "storage does not serve InsertStream yet; retry",
                 ));
             }
-            Err(status) => return Err(status.into()),
+            Err(status) => return Err(from_status(status)),
         };
-        Ok(Box::pin(answers.map(|answer| answer.map_err(Error::from))))
+        Ok(Box::pin(answers.map(|answer| answer.map_err(from_status))))
     }
 
     fn set_tag(request: &mut pb::InsertOnceRequest, tag: u64) {
@@ -140,7 +141,8 @@ impl RemoteStore {
                 .client
                 .clone()
                 .insert_once(self.request(request))
-                .await?;
+                .await
+                .map_err(from_status)?;
             return Ok(reply.into_inner());
         }
         let hop = self.inserts.get_or_init(|| {
@@ -205,7 +207,8 @@ impl MessageStore for RemoteStore {
                 sender: key.sender.as_str().to_owned(),
                 client_msg_id: key.client_msg_id.as_bytes().to_vec(),
             }))
-            .await?
+            .await
+            .map_err(from_status)?
             .into_inner();
         reply.message.map(convert::stored_message).transpose()
     }
@@ -214,7 +217,8 @@ impl MessageStore for RemoteStore {
         self.client
             .clone()
             .history(self.request(pb::HistoryRequest::from(query)))
-            .await?
+            .await
+            .map_err(from_status)?
             .into_inner()
             .messages
             .into_iter()

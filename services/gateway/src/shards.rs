@@ -13,6 +13,7 @@ use imdedup_core::{
     telemetry,
     tls::{self, InternalTls},
 };
+use imdedup_proto::status::from_status;
 use imdedup_proto::v1::{self as pb, ingest_service_client::IngestServiceClient, send_response};
 use tonic::transport::{Channel, Endpoint};
 
@@ -124,10 +125,10 @@ async fn send_batch(
                 format!("ingest shard did not answer within {timeout:?}"),
             )
         })?
-        .map_err(Error::from)?
+        .map_err(from_status)?
         .into_inner()
         .map(|answer| {
-            let answer = answer.map_err(Error::from)?;
+            let answer = answer.map_err(from_status)?;
             let index = usize::try_from(answer.tag).unwrap_or(usize::MAX);
             Ok((index, Ok(answer)))
         });

@@ -18,6 +18,7 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
 use crate::dedup::Dedup;
+use imdedup_proto::status::to_status;
 
 /// Most sends one `SendStream` call may have undecided at once.
 const STREAM_IN_FLIGHT: usize = 1024;
@@ -85,7 +86,9 @@ impl IngestService for IngestGrpc {
     ) -> Result<Response<pb::SendResponse>, Status> {
         let req = request.into_inner();
         let tag = req.tag;
-        let ack = decide(&self.dedup, req, self.max_body_bytes).await?;
+        let ack = decide(&self.dedup, req, self.max_body_bytes)
+            .await
+            .map_err(to_status)?;
         Ok(Response::new(pb::SendResponse {
             tag,
             result: Some(send_response::Result::Ack(ack)),
@@ -101,11 +104,10 @@ impl IngestService for IngestGrpc {
     ) -> Result<Response<Self::SendBatchStream>, Status> {
         let sends = request.into_inner().sends;
         if sends.len() > MAX_BATCH {
-            return Err(Error::invalid(format!(
+            return Err(to_status(Error::invalid(format!(
                 "a batch holds at most {MAX_BATCH} sends, got {}",
                 sends.len()
-            ))
-            .into());
+            ))));
         }
         // Each send is decided in its own task, so it runs to the end even
         // if the caller goes away, and is answered as soon as it is decided.

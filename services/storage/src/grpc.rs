@@ -9,6 +9,7 @@ use imdedup_core::{
     store::{Insert, MessageStore},
     stream_hop, telemetry,
 };
+use imdedup_proto::status::to_status;
 use imdedup_proto::v1::{
     self as pb, insert_result,
     storage_service_server::{StorageService, StorageServiceServer},
@@ -69,7 +70,9 @@ impl StorageService for StorageGrpc {
         request: Request<pb::InsertOnceRequest>,
     ) -> Result<Response<pb::InsertOnceResponse>, Status> {
         Ok(Response::new(
-            insert(self.store.as_ref(), request.into_inner()).await?,
+            insert(self.store.as_ref(), request.into_inner())
+                .await
+                .map_err(to_status)?,
         ))
     }
 
@@ -82,11 +85,10 @@ impl StorageService for StorageGrpc {
     ) -> Result<Response<Self::InsertBatchStream>, Status> {
         let inserts = request.into_inner().inserts;
         if inserts.len() > MAX_BATCH {
-            return Err(Error::invalid(format!(
+            return Err(to_status(Error::invalid(format!(
                 "a batch holds at most {MAX_BATCH} inserts, got {}",
                 inserts.len()
-            ))
-            .into());
+            ))));
         }
         // Concurrently, so the store can commit them together; each in its
         // own task, so it finishes even if the caller goes away, and each
@@ -145,8 +147,13 @@ impl StorageService for StorageGrpc {
         request: Request<pb::LookupRequest>,
     ) -> Result<Response<pb::LookupResponse>, Status> {
         let req = request.into_inner();
-        let key = convert::message_key(req.sender, req.client_msg_id)?;
-        let message = self.store.lookup(&key).await?.map(Into::into);
+        let key = convert::message_key(req.sender, req.client_msg_id).map_err(to_status)?;
+        let message = self
+            .store
+            .lookup(&key)
+            .await
+            .map_err(to_status)?
+            .map(Into::into);
         Ok(Response::new(pb::LookupResponse { message }))
     }
 
@@ -154,11 +161,12 @@ impl StorageService for StorageGrpc {
         &self,
         request: Request<pb::HistoryRequest>,
     ) -> Result<Response<pb::HistoryResponse>, Status> {
-        let query = convert::history_request(request.into_inner())?;
+        let query = convert::history_request(request.into_inner()).map_err(to_status)?;
         let messages = self
             .store
             .history(&query)
-            .await?
+            .await
+            .map_err(to_status)?
             .into_iter()
             .map(Into::into)
             .collect();

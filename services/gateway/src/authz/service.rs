@@ -27,6 +27,7 @@ use moka::{Expiry, future::Cache};
 use tonic::transport::{Channel, Endpoint};
 
 use super::{GroupsFile, Membership};
+use imdedup_proto::status::to_status;
 
 /// The fully qualified name of the service.
 pub const SERVICE_NAME: &str = "imdedup.v1.MembershipService";
@@ -161,9 +162,13 @@ impl membership_service_server::MembershipService for GroupsServer {
         request: tonic::Request<CheckMembershipRequest>,
     ) -> Result<tonic::Response<CheckMembershipResponse>, tonic::Status> {
         let request = request.into_inner();
-        let user = Sender::parse(request.user)?;
-        let conversation = ConversationId::parse(request.conversation)?;
-        let member = self.groups.is_member(&user, &conversation).await?;
+        let user = Sender::parse(request.user).map_err(to_status)?;
+        let conversation = ConversationId::parse(request.conversation).map_err(to_status)?;
+        let member = self
+            .groups
+            .is_member(&user, &conversation)
+            .await
+            .map_err(to_status)?;
         Ok(tonic::Response::new(CheckMembershipResponse { member }))
     }
 }

@@ -20,7 +20,7 @@ use crate::Gateway;
 pub const ERROR_CODE_METADATA: &str = "imdedup-error-code";
 /// Metadata of `ALREADY_EXISTS` (a reused key): the original message
 /// (written by the error's own gRPC codec).
-pub use imdedup_core::error::{ORIGINAL_SEQ_METADATA, ORIGINAL_SERVER_ID_METADATA};
+pub use imdedup_proto::status::{ORIGINAL_SEQ_METADATA, ORIGINAL_SERVER_ID_METADATA};
 
 /// Most calls in flight on one client connection.
 const MAX_CALLS_PER_CONNECTION: usize = 256;
@@ -44,7 +44,7 @@ impl BusinessGrpc {
 /// code named as the HTTP API names it.
 pub fn status(error: Error) -> Status {
     let code = error_code(error.kind());
-    let mut status = Status::from(error);
+    let mut status = imdedup_proto::status::to_status(error);
     status
         .metadata_mut()
         .insert(ERROR_CODE_METADATA, MetadataValue::from_static(code));
@@ -168,7 +168,7 @@ mod tests {
         assert_eq!(busy.code(), Code::ResourceExhausted);
         assert_eq!(
             busy.metadata()
-                .get(imdedup_core::error::RETRY_AFTER_METADATA)
+                .get(imdedup_proto::status::RETRY_AFTER_METADATA)
                 .unwrap(),
             "40"
         );

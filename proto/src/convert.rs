@@ -1,9 +1,9 @@
 //! Conversions between wire types (`imdedup_proto::v1`) and domain types.
 //! Wire → domain validates; domain → wire cannot fail.
 
-use imdedup_proto::v1 as pb;
+use crate::v1 as pb;
 
-use crate::{
+use imdedup_domain::{
     Error, ErrorKind,
     model::{
         Ack, Body, ClientMsgId, ConversationId, HistoryQuery, MessageKey, NewMessage, Outcome,

@@ -1,5 +1,6 @@
-//! The error kinds of imdedup, mapped once to gRPC status codes and to the
-//! `retryable` flag that phones see.
+//! The error kinds of imdedup and the `retryable` flag that phones see. The
+//! gRPC status code of each kind, and the codec between an [`Error`] and a
+//! gRPC status, are the wire's (`imdedup_proto::status`).
 //!
 //! Four kinds are final for the phone: a malformed request, a bad token, a
 //! conversation the sender does not belong to, and a client message ID
@@ -10,8 +11,6 @@
 //! `DeadlineExceeded`, `Internal`), where only the resend settles it.
 
 use std::{fmt, time::Duration};
-
-use tonic::{Code, Status};
 
 use crate::model::Receipt;
 
@@ -79,42 +78,6 @@ impl ErrorKind {
             Self::IdReused => "id_reused",
         }
     }
-
-    /// The gRPC status code for this kind.
-    pub fn grpc_code(self) -> Code {
-        match self {
-            Self::InvalidArgument => Code::InvalidArgument,
-            Self::Unauthenticated => Code::Unauthenticated,
-            Self::PermissionDenied => Code::PermissionDenied,
-            Self::Unavailable => Code::Unavailable,
-            Self::MaybeStored => Code::Unknown,
-            Self::DeadlineExceeded => Code::DeadlineExceeded,
-            Self::Overloaded => Code::ResourceExhausted,
-            Self::Internal => Code::Internal,
-            Self::IdReused => Code::AlreadyExists,
-        }
-    }
-
-    /// The kind a gRPC status code stands for, seen from the caller's side.
-    pub fn from_grpc_code(code: Code) -> Self {
-        match code {
-            Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => {
-                Self::InvalidArgument
-            }
-            Code::Unauthenticated => Self::Unauthenticated,
-            Code::PermissionDenied => Self::PermissionDenied,
-            // Refused or unreachable before the call was taken: not stored.
-            Code::Unavailable => Self::Unavailable,
-            // A call cut midway (a connection that broke shows up as
-            // `Unknown`, "transport error") may have done its work; our
-            // servers answer `Unknown` for exactly that.
-            Code::Unknown | Code::Cancelled | Code::Aborted => Self::MaybeStored,
-            Code::DeadlineExceeded => Self::DeadlineExceeded,
-            Code::ResourceExhausted => Self::Overloaded,
-            Code::AlreadyExists => Self::IdReused,
-            _ => Self::Internal,
-        }
-    }
 }
 
 impl fmt::Display for ErrorKind {
@@ -136,12 +99,6 @@ pub struct Error {
     /// in every `Result` of the hot path.
     retry_after_ms: u32,
 }
-
-/// The gRPC metadata key that carries [`Error::retry_after`], in ms.
-pub const RETRY_AFTER_METADATA: &str = "imdedup-retry-after-ms";
-/// The gRPC metadata keys that carry [`Error::original`] (`ALREADY_EXISTS`).
-pub const ORIGINAL_SERVER_ID_METADATA: &str = "imdedup-original-server-id";
-pub const ORIGINAL_SEQ_METADATA: &str = "imdedup-original-seq";
 
 impl Error {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
@@ -231,45 +188,6 @@ impl Error {
     }
 }
 
-impl From<Error> for Status {
-    fn from(err: Error) -> Self {
-        let mut status = Status::new(err.kind.grpc_code(), err.message);
-        let metadata = status.metadata_mut();
-        if err.retry_after_ms > 0 {
-            metadata.insert(RETRY_AFTER_METADATA, err.retry_after_ms.into());
-        }
-        if let Some(original) = err.original {
-            metadata.insert(ORIGINAL_SERVER_ID_METADATA, original.server_id.into());
-            metadata.insert(ORIGINAL_SEQ_METADATA, original.seq.into());
-        }
-        status
-    }
-}
-
-impl From<Status> for Error {
-    fn from(status: Status) -> Self {
-        let error = Self::new(
-            ErrorKind::from_grpc_code(status.code()),
-            status.message().to_owned(),
-        );
-        let number =
-            |key: &str| -> Option<u64> { status.metadata().get(key)?.to_str().ok()?.parse().ok() };
-        let original = (error.kind == ErrorKind::IdReused)
-            .then(|| {
-                Some(Receipt {
-                    server_id: number(ORIGINAL_SERVER_ID_METADATA)?,
-                    seq: number(ORIGINAL_SEQ_METADATA)?,
-                })
-            })
-            .flatten();
-        let error = error.with_original(original);
-        match number(RETRY_AFTER_METADATA) {
-            Some(after) => error.with_retry_after(Duration::from_millis(after)),
-            None => error,
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -289,57 +207,5 @@ mod tests {
                 ErrorKind::IdReused
             ]
         );
-    }
-
-    #[test]
-    fn a_call_cut_midway_may_have_stored_a_refused_one_did_not() {
-        assert_eq!(
-            ErrorKind::from_grpc_code(Code::Unknown),
-            ErrorKind::MaybeStored
-        );
-        assert_eq!(
-            ErrorKind::from_grpc_code(Code::Cancelled),
-            ErrorKind::MaybeStored
-        );
-        assert_eq!(
-            ErrorKind::from_grpc_code(Code::Unavailable),
-            ErrorKind::Unavailable
-        );
-        assert!(ErrorKind::MaybeStored.retryable());
-    }
-
-    #[test]
-    fn kinds_survive_a_trip_through_grpc_status() {
-        for kind in ErrorKind::ALL {
-            let status: Status = Error::new(kind, "boom").into();
-            let back = Error::from(status);
-            assert_eq!(back.kind(), kind);
-            assert_eq!(back.message(), "boom");
-            assert_eq!(back.retry_after(), None);
-        }
-        let busy = Error::overloaded("busy", Duration::from_millis(250));
-        let back = Error::from(Status::from(busy));
-        assert_eq!(back.kind(), ErrorKind::Overloaded);
-        assert_eq!(back.retry_after(), Some(Duration::from_millis(250)));
-    }
-
-    #[test]
-    fn a_reused_id_keeps_its_original_through_grpc_status() {
-        let original = Receipt {
-            server_id: 41,
-            seq: 7,
-        };
-        let back = Error::from(Status::from(Error::id_reused(original)));
-        assert_eq!(back.kind(), ErrorKind::IdReused);
-        assert_eq!(back.original(), Some(original));
-        // Only a reused id has one, whatever the metadata says.
-        let mut other = Status::from(Error::new(ErrorKind::Internal, "x"));
-        other
-            .metadata_mut()
-            .insert(ORIGINAL_SERVER_ID_METADATA, 1u64.into());
-        other
-            .metadata_mut()
-            .insert(ORIGINAL_SEQ_METADATA, 1u64.into());
-        assert_eq!(Error::from(other).original(), None);
     }
 }

@@ -1,0 +1,24 @@
+//! The domain of imdedup, shared by every service: what a message is, what
+//! can go wrong, and the two backends' contracts. No networking, gRPC,
+//! HTTP, TLS or telemetry crate is a dependency of this one; the wire
+//! (generated types, JSON frames, the conversions and the error codec) is
+//! `imdedup-proto`'s, and the process runtime is `imdedup-core`'s.
+//!
+//! - [`model`]: validated types (sender, client message ID, conversation,
+//!   body) and what storage and ACKs carry;
+//! - [`error`]: the small set of error kinds and the `retryable` flag that
+//!   phones see;
+//! - [`store`] and [`window`]: the two backend traits, the durable store with
+//!   its unique key and the recent-ID window in front of it;
+//! - [`routing`]: which ingest shard owns a conversation, and the stable hash
+//!   behind it;
+//! - [`clock`]: time that tests can move by hand.
+
+pub mod clock;
+pub mod error;
+pub mod model;
+pub mod routing;
+pub mod store;
+pub mod window;
+
+pub use error::{Error, ErrorKind};
