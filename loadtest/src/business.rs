@@ -28,11 +28,10 @@ use imdedup_client::{
     business::{BusinessHttp, RetryPolicy},
 };
 use imdedup_cluster::{ClusterOptions, LocalCluster};
-use imdedup_core::{
+use imdedup_core::{secret::Secret, token::TokenKey};
+use imdedup_domain::{
     clock::{Clock, ManualClock, SystemClock},
     model::{ClientMsgId, IdempotencyKey, Sender},
-    secret::Secret,
-    token::TokenKey,
 };
 use imdedup_gateway::authz::{Authorizer, DirectConversations};
 use rand::{Rng, SeedableRng, rngs::StdRng};

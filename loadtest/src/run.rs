@@ -17,11 +17,10 @@ use anyhow::{Context, bail};
 use futures_util::StreamExt;
 use imdedup_client::{Client, Encoding, HistoryMessage};
 use imdedup_cluster::{ClusterOptions, LocalCluster};
-use imdedup_core::{
+use imdedup_core::{secret::Secret, token::TokenKey};
+use imdedup_domain::{
     clock::{Clock, ManualClock, SystemClock},
     model::Sender,
-    secret::Secret,
-    token::TokenKey,
 };
 use imdedup_gateway::authz::{Authorizer, DirectConversations, GroupsFile, groups::Groups};
 use rand::{Rng, SeedableRng, rngs::StdRng};

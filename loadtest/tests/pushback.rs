@@ -7,7 +7,7 @@ use std::{num::NonZeroU32, sync::Arc, time::Duration};
 
 use imdedup_client::Encoding;
 use imdedup_cluster::{ClusterOptions, LocalCluster};
-use imdedup_core::clock::SystemClock;
+use imdedup_domain::clock::SystemClock;
 use imdedup_loadtest::{
     link::Link,
     phone::{Fate, Outgoing, ResendPolicy, TryCounts, deliver},

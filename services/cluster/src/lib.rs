@@ -10,18 +10,20 @@ pub mod without_dedup;
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::Context;
-use imdedup_core::window::RecentWindow;
 use imdedup_core::{
     admin::{Readiness, serve_admin},
-    clock::SharedClock,
     metrics::{GatewayMetrics, IngestMetrics, Registry, StoreMetrics, shard_registry},
-    model::{DEFAULT_MAX_BODY_BYTES, Sender},
     remote_store::RemoteStore,
-    routing::{Shard, ShardMap},
     server::ServeOptions,
-    store::MessageStore,
     tls::{InternalTls, names},
     token::{TokenKey, TokenVerifier},
+};
+use imdedup_domain::window::RecentWindow;
+use imdedup_domain::{
+    clock::SharedClock,
+    model::{DEFAULT_MAX_BODY_BYTES, Sender},
+    routing::{Shard, ShardMap},
+    store::MessageStore,
 };
 use imdedup_gateway::{Gateway, GatewayConfig, authz::Authorizer, limits::Limits};
 use imdedup_ingest::{

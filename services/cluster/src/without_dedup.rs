@@ -12,7 +12,7 @@ use std::{
 };
 
 use async_trait::async_trait;
-use imdedup_core::{
+use imdedup_domain::{
     Error,
     model::{ConversationId, HistoryQuery, MessageKey, NewMessage, Receipt, StoredMessage},
     store::{Insert, MessageStore},
@@ -33,7 +33,7 @@ impl RecentWindow for ForgetfulWindow {
         &self,
         _key: &MessageKey,
         _token: &ClaimToken,
-        _remembered: imdedup_core::model::Remembered,
+        _remembered: imdedup_domain::model::Remembered,
     ) -> Result<(), Error> {
         Ok(())
     }
@@ -131,7 +131,7 @@ impl MessageStore for StoreWithoutUniqueKey {
 
 #[cfg(test)]
 mod tests {
-    use imdedup_core::model::{Body, ClientMsgId, Sender};
+    use imdedup_domain::model::{Body, ClientMsgId, Sender};
 
     use super::*;
 

@@ -7,7 +7,8 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 
 use imdedup_client::{Client, Encoding, ErrorReply};
 use imdedup_cluster::{ClusterOptions, LocalCluster};
-use imdedup_core::{clock::ManualClock, tls::InternalTls};
+use imdedup_core::tls::InternalTls;
+use imdedup_domain::clock::ManualClock;
 use imdedup_gateway::authz::{
     Authorizer, GroupsFile, MembershipService, ServiceOptions, service::serve_groups,
 };

@@ -5,7 +5,7 @@ use std::{sync::Arc, time::Duration};
 
 use imdedup_client::{Client, ClientError, Encoding, ErrorReply, RawMessage, Reply};
 use imdedup_cluster::{ClusterOptions, LocalCluster};
-use imdedup_core::clock::ManualClock;
+use imdedup_domain::clock::ManualClock;
 
 mod common;
 
@@ -154,7 +154,7 @@ async fn bad_missing_and_expired_tokens_are_refused_at_connect() {
     // Signed with another secret.
     let other = imdedup_core::token::TokenKey::new("some-other-secret-value-of-32-bytes!").unwrap();
     let forged = other.mint(
-        &imdedup_core::model::Sender::parse("ana").unwrap(),
+        &imdedup_domain::model::Sender::parse("ana").unwrap(),
         u64::MAX / 2,
     );
     let (status, _) = refused(Client::connect(&url, &forged, Encoding::Json).await);
@@ -260,9 +260,9 @@ async fn a_frame_larger_than_one_socket_read_arrives_whole() {
     let body: String = "\"é\n"
         .chars()
         .cycle()
-        .take(imdedup_core::model::DEFAULT_MAX_BODY_BYTES / 4 * 3)
+        .take(imdedup_domain::model::DEFAULT_MAX_BODY_BYTES / 4 * 3)
         .collect();
-    assert_eq!(body.len(), imdedup_core::model::DEFAULT_MAX_BODY_BYTES);
+    assert_eq!(body.len(), imdedup_domain::model::DEFAULT_MAX_BODY_BYTES);
     assert!(
         serde_json::to_string(&body).unwrap().len() > 2 * imdedup_gateway::READ_BUFFER_BYTES,
         "the frame must span several reads"

@@ -15,7 +15,7 @@ use imdedup_client::{
     business::{BusinessAck, BusinessError, BusinessHttp, RetryPolicy},
 };
 use imdedup_cluster::{ClusterOptions, LocalCluster};
-use imdedup_core::{
+use imdedup_domain::{
     clock::ManualClock,
     model::{ClientMsgId, IdempotencyKey},
 };
@@ -373,7 +373,7 @@ async fn only_service_tokens_in_scope_and_members_get_through() {
     let forged = imdedup_core::token::TokenKey::new(imdedup_cluster::DEV_TOKEN_SECRET)
         .unwrap()
         .mint_service(
-            &imdedup_core::model::Sender::parse("orders").unwrap(),
+            &imdedup_domain::model::Sender::parse("orders").unwrap(),
             &["*".to_owned()],
             u64::MAX / 2,
         );

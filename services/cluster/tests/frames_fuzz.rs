@@ -30,7 +30,7 @@ use std::{
 use futures_util::{SinkExt, StreamExt};
 use imdedup_client::Encoding;
 use imdedup_cluster::LocalCluster;
-use imdedup_core::{
+use imdedup_domain::{
     clock::ManualClock,
     model::{Body, ClientMsgId, ConversationId, DEFAULT_MAX_BODY_BYTES, HistoryQuery, Sender},
 };

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use imdedup_cluster::{ClusterOptions, LocalCluster};
-use imdedup_core::clock::SystemClock;
+use imdedup_domain::clock::SystemClock;
 use tonic_health::pb::{
     HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
 };

@@ -15,13 +15,15 @@ use std::{
 use imdedup_client::Encoding;
 use imdedup_cluster::{ClusterOptions, LocalCluster};
 use imdedup_core::{
+    remote_store::RemoteStore,
+    server::ServeOptions,
+    tls::{InternalTls, TlsFiles, names},
+};
+use imdedup_domain::{
     ErrorKind,
     clock::SystemClock,
     model::{Body, ClientMsgId, ConversationId, MessageKey, NewMessage, Sender},
-    remote_store::RemoteStore,
-    server::ServeOptions,
     store::{Insert, MessageStore},
-    tls::{InternalTls, TlsFiles, names},
 };
 use imdedup_storage::{SqliteOptions, SqliteStore};
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};

@@ -9,7 +9,7 @@ use std::{num::NonZeroU32, sync::Arc, time::Duration};
 use futures_util::StreamExt;
 use imdedup_client::{Client, ClientError, Encoding};
 use imdedup_cluster::{ClusterOptions, LocalCluster};
-use imdedup_core::clock::SystemClock;
+use imdedup_domain::clock::SystemClock;
 use tokio::io::AsyncReadExt;
 use tokio_tungstenite::tungstenite::{self, client::IntoClientRequest};
 

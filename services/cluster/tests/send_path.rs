@@ -8,7 +8,7 @@ mod common;
 use common::{Kind, rows, start};
 use imdedup_client::{Client, Encoding, RawMessage, Reply};
 use imdedup_cluster::LocalCluster;
-use imdedup_core::clock::ManualClock;
+use imdedup_domain::clock::ManualClock;
 use imdedup_proto::v1::{
     self as pb, ingest_service_client::IngestServiceClient, insert_result, send_response,
     storage_service_client::StorageServiceClient,

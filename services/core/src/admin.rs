@@ -121,7 +121,8 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     use super::*;
-    use crate::{metrics::GatewayMetrics, model::Outcome};
+    use crate::metrics::GatewayMetrics;
+    use imdedup_domain::model::Outcome;
 
     /// A plain HTTP/1.1 GET; returns the status code and the body.
     async fn get(addr: SocketAddr, path: &str) -> (u16, String) {

@@ -15,7 +15,7 @@ use std::{future::Future, pin::Pin, sync::Arc, time::Duration};
 use futures_util::{Stream, StreamExt};
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
-use crate::{Error, ErrorKind};
+use imdedup_domain::{Error, ErrorKind};
 
 pub use crate::server::MAX_BATCH_MESSAGE_BYTES;
 

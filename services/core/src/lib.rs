@@ -1,8 +1,7 @@
 //! The process runtime shared by every service, and the hops between them.
 //! The domain (validated types, error kinds, the store and window traits,
-//! routing, clock) is `imdedup-domain`'s, re-exported here under the same
-//! paths; the wire (generated types, JSON frames, conversions, the error
-//! codec) is `imdedup-proto`'s.
+//! routing, clock) is `imdedup-domain`'s; the wire (generated types, JSON
+//! frames, conversions, the error codec) is `imdedup-proto`'s.
 //!
 //! - [`remote_store`]: the storage service over gRPC, as a store;
 //! - [`batch`]: natural batching for the gateway's hop to the shards;
@@ -31,6 +30,3 @@ pub mod telemetry;
 pub mod tls;
 pub mod token;
 pub mod watched;
-
-pub use imdedup_domain::{Error, ErrorKind, clock, error, model, routing, store, window};
-pub use imdedup_proto::convert;

@@ -19,7 +19,7 @@ use prometheus_client::{
     registry::Unit,
 };
 
-use crate::{ErrorKind, model::Outcome};
+use imdedup_domain::{ErrorKind, model::Outcome};
 
 /// The registry every service exposes on `/metrics`.
 pub use prometheus_client::registry::Registry;

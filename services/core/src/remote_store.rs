@@ -15,14 +15,19 @@ use std::{
 };
 
 use crate::{
-    Error, ErrorKind, convert,
-    model::{HistoryQuery, MessageKey, NewMessage, StoredMessage},
-    store::{Insert, MessageStore},
     stream_hop::{HopAnswers, HopCall, HopLimits, ReceiverStream, StreamHop},
     tls::{self, InternalTls},
 };
+
+use imdedup_domain::{
+    Error, ErrorKind,
+    model::{HistoryQuery, MessageKey, NewMessage, StoredMessage},
+    store::{Insert, MessageStore},
+};
+
 use async_trait::async_trait;
 use futures_util::StreamExt;
+use imdedup_proto::convert;
 use imdedup_proto::status::from_status;
 use imdedup_proto::v1::{self as pb, insert_result, storage_service_client::StorageServiceClient};
 use tonic::transport::{Channel, Endpoint};
@@ -237,7 +242,7 @@ mod tests {
     use tonic::{Request, Response, Status, Streaming};
 
     use super::*;
-    use crate::model::{Body, ClientMsgId, ConversationId, Sender};
+    use imdedup_domain::model::{Body, ClientMsgId, ConversationId, Sender};
 
     type Answers = Pin<Box<dyn Stream<Item = Result<pb::InsertResult, Status>> + Send>>;
 

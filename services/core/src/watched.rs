@@ -14,7 +14,7 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use crate::Error;
+use imdedup_domain::Error;
 
 /// How often the files are checked for a change.
 pub const RECHECK: Duration = Duration::from_secs(1);

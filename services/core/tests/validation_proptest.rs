@@ -14,13 +14,13 @@
 use std::time::Duration;
 
 use base64::{Engine, engine::general_purpose::URL_SAFE_NO_PAD};
-use imdedup_core::{
+use imdedup_core::token::{MIN_SECRET_BYTES, TokenKey, TokenPolicy, TokenVerifier};
+use imdedup_domain::{
     Error, ErrorKind,
     model::{
         Body, ClientMsgId, ConversationId, HistoryQuery, MAX_CLIENT_MSG_ID_BYTES,
         MAX_CONVERSATION_BYTES, MAX_HISTORY_LIMIT, MAX_SENDER_BYTES, MessageKey, Sender,
     },
-    token::{MIN_SECRET_BYTES, TokenKey, TokenPolicy, TokenVerifier},
 };
 use jsonwebtoken::{Algorithm, EncodingKey, Header};
 use proptest::prelude::*;

@@ -50,7 +50,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use imdedup_core::{Error, ErrorKind, model::Ack};
+use imdedup_domain::{Error, ErrorKind, model::Ack};
 use rand::Rng;
 
 /// Bounds of the admission limit and of the appointments.

@@ -9,10 +9,11 @@ use std::{
 
 use axum::extract::ws::{CloseFrame, Message, WebSocket, close_code};
 use futures_util::{SinkExt, StreamExt};
-use imdedup_core::{
-    Error, ErrorKind, convert,
+use imdedup_domain::{
+    Error, ErrorKind,
     model::{Ack, ClientMsgId, ConversationId, HistoryQuery, Sender, StoredMessage},
 };
+use imdedup_proto::convert;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
@@ -131,7 +132,7 @@ pub async fn run(
             );
             if is_send {
                 gateway.metrics().send_answered(
-                    Err(imdedup_core::ErrorKind::Unauthenticated),
+                    Err(imdedup_domain::ErrorKind::Unauthenticated),
                     read_at.elapsed(),
                 );
             }
@@ -551,7 +552,7 @@ mod tests {
             }
             assert!(phone.message().contains("same id"), "{}", phone.message());
         }
-        let receipt = imdedup_core::model::Receipt {
+        let receipt = imdedup_domain::model::Receipt {
             server_id: 7,
             seq: 3,
         };

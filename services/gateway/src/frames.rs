@@ -2,7 +2,7 @@
 //! Decoding only checks the frame's shape; the fields are validated into
 //! domain types by the connection, with the sender from the token.
 
-use imdedup_core::{
+use imdedup_domain::{
     Error,
     model::{Ack, StoredMessage},
 };
@@ -271,7 +271,7 @@ fn to_json(frame: Outbound) -> ServerJson {
                 message: error.message().to_owned(),
                 server_id: error.original().map(|r| r.server_id.to_string()),
                 seq: error.original().map(|r| r.seq),
-                retry_after_ms: Some(imdedup_core::convert::retry_after_ms(&error))
+                retry_after_ms: Some(imdedup_proto::convert::retry_after_ms(&error))
                     .filter(|&ms| ms > 0),
             })
         }
@@ -322,7 +322,7 @@ fn to_protobuf(frame: Outbound) -> pb::ServerFrame {
             message: error.message().to_owned(),
             original_server_id: error.original().map_or(0, |r| r.server_id),
             original_seq: error.original().map_or(0, |r| r.seq),
-            retry_after_ms: imdedup_core::convert::retry_after_ms(&error),
+            retry_after_ms: imdedup_proto::convert::retry_after_ms(&error),
         }),
         Outbound::History {
             reference,
@@ -344,7 +344,7 @@ mod tests {
     #[test]
     fn malformed_json_is_an_invalid_argument() {
         let (_, err) = decode(Encoding::Json, b"{not json").unwrap_err();
-        assert_eq!(err.kind(), imdedup_core::ErrorKind::InvalidArgument);
+        assert_eq!(err.kind(), imdedup_domain::ErrorKind::InvalidArgument);
         assert!(err.message().contains("malformed JSON"));
     }
 
@@ -371,7 +371,7 @@ mod tests {
         let frame = br#"{"type":"send","id":"m-7","conversation":"c","body":"x\ud800y"}"#;
         let (to, error) = decode(Encoding::Json, frame).unwrap_err();
         assert_eq!(to.id.as_deref(), Some(&b"m-7"[..]));
-        assert_eq!(error.kind(), imdedup_core::ErrorKind::InvalidArgument);
+        assert_eq!(error.kind(), imdedup_domain::ErrorKind::InvalidArgument);
         // Pairs and escaped backslashes are left alone.
         assert_eq!(
             replace_lone_surrogates(br#""\ud83d\ude00 \\ud800 \udc00""#),

@@ -34,16 +34,15 @@ use axum::{
 };
 use frames::SendCmd;
 use imdedup_core::{
+    metrics::GatewayMetrics, remote_store::RemoteStore, tls::InternalTls, token::TokenVerifier,
+};
+use imdedup_domain::{
     Error,
     clock::SharedClock,
-    metrics::GatewayMetrics,
     model::Sender,
     model::{HistoryQuery, StoredMessage},
-    remote_store::RemoteStore,
     routing::ShardMap,
     store::MessageStore,
-    tls::InternalTls,
-    token::TokenVerifier,
 };
 use limits::{Limits, SendRate, UserConnections};
 use listener::{Admission as ConnectionAdmission, GuardedListener};

@@ -15,7 +15,7 @@ use governor::{
     middleware::NoOpMiddleware,
     state::keyed::DashMapStateStore,
 };
-use imdedup_core::model::Sender;
+use imdedup_domain::model::Sender;
 
 /// The gateway's limits; every one is a flag (see docs/operations.md).
 #[derive(Debug, Clone)]

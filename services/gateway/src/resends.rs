@@ -20,7 +20,7 @@ use std::{
     sync::{Arc, Mutex, PoisonError},
 };
 
-use imdedup_core::{
+use imdedup_domain::{
     Error,
     model::{Ack, Outcome},
 };
@@ -178,7 +178,7 @@ fn resend() -> Error {
 
 #[cfg(test)]
 mod tests {
-    use imdedup_core::model::{ClientMsgId, Receipt};
+    use imdedup_domain::model::{ClientMsgId, Receipt};
 
     use super::*;
 

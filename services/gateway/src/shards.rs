@@ -5,14 +5,18 @@ use std::time::Duration;
 use futures_util::StreamExt;
 
 use imdedup_core::{
-    Error, ErrorKind,
     batch::{Answers, BatchLimits, Batcher, MAX_BATCH_MESSAGE_BYTES},
-    convert,
-    model::{Ack, NewMessage},
-    routing::ShardMap,
     telemetry,
     tls::{self, InternalTls},
 };
+
+use imdedup_domain::{
+    Error, ErrorKind,
+    model::{Ack, NewMessage},
+    routing::ShardMap,
+};
+
+use imdedup_proto::convert;
 use imdedup_proto::status::from_status;
 use imdedup_proto::v1::{self as pb, ingest_service_client::IngestServiceClient, send_response};
 use tonic::transport::{Channel, Endpoint};

@@ -18,7 +18,7 @@
 //! The number of cases is proptest's (256), or `PROPTEST_CASES`.
 
 use base64::{Engine, engine::general_purpose::STANDARD};
-use imdedup_core::{
+use imdedup_domain::{
     Error, ErrorKind,
     model::{
         Ack, ClientMsgId, ConversationId, MessageKey, Outcome, Receipt, Sender, StoredMessage,

@@ -14,7 +14,7 @@ use anyhow::{Context, bail};
 use clap::Args;
 use imdedup_client::{AckReply, Client, Encoding};
 use imdedup_cluster::{Backends, ClusterOptions, LocalCluster};
-use imdedup_core::{
+use imdedup_domain::{
     clock::ManualClock,
     model::{ClientMsgId, MessageKey, Sender},
 };

@@ -27,7 +27,7 @@ use std::{
 use async_trait::async_trait;
 use futures_util::{StreamExt, stream};
 use imdedup_core::metrics::DB_CASSANDRA;
-use imdedup_core::{
+use imdedup_domain::{
     Error,
     model::{
         Body, ClientMsgId, ConversationId, Fingerprint, HistoryQuery, MessageKey, NewMessage,

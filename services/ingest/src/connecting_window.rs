@@ -9,7 +9,7 @@ use std::{
 };
 
 use async_trait::async_trait;
-use imdedup_core::{
+use imdedup_domain::{
     Error,
     model::{MessageKey, Remembered},
     window::{Claim, ClaimToken, RecentWindow},
@@ -99,7 +99,7 @@ impl<W: RecentWindow> RecentWindow for ConnectingWindow<W> {
 mod tests {
     use std::sync::atomic::{AtomicU32, Ordering};
 
-    use imdedup_core::model::{ClientMsgId, Sender};
+    use imdedup_domain::model::{ClientMsgId, Sender};
 
     use super::*;
     use crate::window::{MemoryWindow, MemoryWindowOptions};

@@ -9,9 +9,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use imdedup_core::{
+use imdedup_core::metrics::IngestMetrics;
+
+use imdedup_domain::{
     Error, ErrorKind,
-    metrics::IngestMetrics,
     model::{Ack, NewMessage, Outcome, Receipt, Remembered},
     routing::Ownership,
     store::{Insert, MessageStore},
@@ -346,7 +347,7 @@ mod tests {
     use std::sync::Mutex;
 
     use async_trait::async_trait;
-    use imdedup_core::{
+    use imdedup_domain::{
         model::{
             Body, ClientMsgId, ConversationId, HistoryQuery, MessageKey, Sender, StoredMessage,
         },
@@ -453,7 +454,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_shard_refuses_conversations_it_does_not_own_and_stores_nothing() {
-        use imdedup_core::routing::ShardMap;
+        use imdedup_domain::routing::ShardMap;
 
         let map = ShardMap::parse(&["a=http://a:1", "b=http://b:1"]).unwrap();
         let owner = map.shards()[map.owner(&message("m1").conversation)]

@@ -7,7 +7,9 @@ use std::{
 };
 
 use futures_util::{Stream, stream::FuturesUnordered};
-use imdedup_core::{Error, convert, server::MAX_BATCH_MESSAGE_BYTES, stream_hop, telemetry};
+use imdedup_core::{server::MAX_BATCH_MESSAGE_BYTES, stream_hop, telemetry};
+use imdedup_domain::Error;
+use imdedup_proto::convert;
 use imdedup_proto::v1::{
     self as pb,
     ingest_service_server::{IngestService, IngestServiceServer},

@@ -10,7 +10,7 @@ use std::{
 };
 
 use futures_util::future::{BoxFuture, FutureExt, Shared};
-use imdedup_core::{Error, model::MessageKey, store::Insert};
+use imdedup_domain::{Error, model::MessageKey, store::Insert};
 use tracing::Instrument;
 
 /// An insert's outcome, awaited by every caller of its key.

@@ -31,9 +31,9 @@ use std::{
 };
 
 use async_trait::async_trait;
-use imdedup_core::{
+use imdedup_core::metrics::WindowMetrics;
+use imdedup_domain::{
     Error,
-    metrics::WindowMetrics,
     model::{Fingerprint, MessageKey, Receipt, Remembered},
     routing::stable_hash,
     window::{Claim, ClaimToken, RecentWindow},

@@ -7,10 +7,10 @@
 use std::{sync::Arc, time::Duration, time::Instant};
 
 use async_trait::async_trait;
-use imdedup_core::{
+use imdedup_core::metrics::WindowMetrics;
+use imdedup_domain::{
     Error,
     clock::{SharedClock, SystemClock},
-    metrics::WindowMetrics,
     model::{MessageKey, Remembered},
     window::{Claim, ClaimToken, RecentWindow},
 };
@@ -155,7 +155,7 @@ impl RecentWindow for MemoryWindow {
 
 #[cfg(test)]
 mod tests {
-    use imdedup_core::{
+    use imdedup_domain::{
         clock::ManualClock,
         model::{ClientMsgId, Sender},
     };
@@ -174,11 +174,11 @@ mod tests {
     }
 
     const RECEIPT: Remembered = Remembered {
-        receipt: imdedup_core::model::Receipt {
+        receipt: imdedup_domain::model::Receipt {
             server_id: 42,
             seq: 7,
         },
-        fingerprint: Some(imdedup_core::model::Fingerprint(0xfeed)),
+        fingerprint: Some(imdedup_domain::model::Fingerprint(0xfeed)),
     };
 
     #[tokio::test]

@@ -8,7 +8,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use imdedup_core::{
+use imdedup_domain::{
     model::{
         Body, ClientMsgId, ConversationId, Fingerprint, MessageKey, NewMessage, Outcome, Receipt,
         Remembered, Sender,

@@ -3,12 +3,12 @@
 use std::{future::Future, pin::Pin, sync::Arc};
 
 use futures_util::{Stream, stream::FuturesUnordered};
-use imdedup_core::{
-    Error, convert,
-    server::MAX_BATCH_MESSAGE_BYTES,
+use imdedup_core::{server::MAX_BATCH_MESSAGE_BYTES, stream_hop, telemetry};
+use imdedup_domain::{
+    Error,
     store::{Insert, MessageStore},
-    stream_hop, telemetry,
 };
+use imdedup_proto::convert;
 use imdedup_proto::status::to_status;
 use imdedup_proto::v1::{
     self as pb, insert_result,

@@ -9,10 +9,9 @@ pub mod sqlite;
 
 use std::sync::Arc;
 
-use imdedup_core::{
-    server::{ServeOptions, serve_grpc},
-    store::MessageStore,
-};
+use imdedup_core::server::{ServeOptions, serve_grpc};
+
+use imdedup_domain::store::MessageStore;
 use imdedup_proto::v1::storage_service_server::SERVICE_NAME;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;

@@ -10,7 +10,7 @@ use std::{
     sync::{Arc, Mutex, PoisonError},
 };
 
-use imdedup_core::{Error, ErrorKind};
+use imdedup_domain::{Error, ErrorKind};
 use tokio::sync::OwnedMutexGuard;
 
 /// Locks by key, each with at most `max_waiting` callers queued behind its

@@ -19,9 +19,9 @@ use std::{
 };
 
 use async_trait::async_trait;
-use imdedup_core::{
+use imdedup_core::metrics::{DB_SQLITE, StoreMetrics};
+use imdedup_domain::{
     Error,
-    metrics::{DB_SQLITE, StoreMetrics},
     model::{
         ClientMsgId, ConversationId, HistoryQuery, MessageKey, NewMessage, Receipt, Sender,
         StoredMessage,
@@ -425,7 +425,7 @@ mod tests {
                 client_msg_id: ClientMsgId::parse(id.as_bytes().to_vec()).unwrap(),
             },
             conversation: ConversationId::parse("ana-ben").unwrap(),
-            body: imdedup_core::model::Body::parse("hi", 100).unwrap(),
+            body: imdedup_domain::model::Body::parse("hi", 100).unwrap(),
         }
     }
 

@@ -4,7 +4,7 @@
 
 use std::{sync::Arc, time::Duration};
 
-use imdedup_core::{
+use imdedup_domain::{
     ErrorKind,
     model::StoredMessage,
     store::{Insert, MessageStore},

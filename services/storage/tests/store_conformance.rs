@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use imdedup_core::store::{Insert, MessageStore};
+use imdedup_domain::store::{Insert, MessageStore};
 use imdedup_storage::{ScyllaStore, SqliteOptions, SqliteStore};
 
 mod common;

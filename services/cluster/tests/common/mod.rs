@@ -7,7 +7,7 @@ use std::{sync::Arc, time::Duration};
 
 use imdedup_client::{Client, Encoding};
 use imdedup_cluster::{Backends, ClusterOptions, LocalCluster};
-use imdedup_core::clock::ManualClock;
+use imdedup_domain::clock::ManualClock;
 use imdedup_gateway::authz::{Authorizer, GroupsFile};
 use imdedup_ingest::{RedisWindowOptions, window::DEFAULT_WINDOW_TTL};
 use imdedup_storage::ScyllaOptions;

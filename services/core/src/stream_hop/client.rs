@@ -17,7 +17,7 @@ use tokio::{
 };
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::{Error, ErrorKind};
+use imdedup_domain::{Error, ErrorKind};
 
 /// Limits of one [`StreamHop`].
 #[derive(Debug, Clone, Copy)]

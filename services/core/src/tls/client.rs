@@ -17,7 +17,7 @@ use tonic::{
 };
 
 use super::InternalTls;
-use crate::Error;
+use imdedup_domain::Error;
 
 /// A lazily connecting channel to `endpoint`, over TLS when `tls` says so.
 /// The server's certificate must be valid for the URL's host.

@@ -21,7 +21,8 @@ use rustls::{
 };
 
 use super::TlsFiles;
-use crate::{Error, watched::WatchedFile};
+use crate::watched::WatchedFile;
+use imdedup_domain::Error;
 
 /// ALPN: gRPC is HTTP/2.
 const H2: &[u8] = b"h2";

@@ -26,7 +26,7 @@ pub use client::channel;
 pub use identity::Identity;
 pub use server::{TlsIncoming, incoming};
 
-use crate::Error;
+use imdedup_domain::Error;
 
 /// The names each service's certificate carries by default (a DNS subject
 /// alternative name), and that the servers check their callers for: ingest

@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 
 pub use verifier::{Jwks, SenderScope, TokenPolicy, TokenVerifier, Verified};
 
-use crate::{Error, model::Sender};
+use imdedup_domain::{Error, model::Sender};
 
 /// The shortest HS256 secret accepted, in bytes (RFC 7518: at least the
 /// hash's size).
@@ -117,8 +117,8 @@ impl TokenKey {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ErrorKind;
     use base64::{Engine, engine::general_purpose::URL_SAFE_NO_PAD};
+    use imdedup_domain::ErrorKind;
 
     fn key() -> TokenKey {
         TokenKey::new("0123456789abcdef0123456789abcdef-test").unwrap()

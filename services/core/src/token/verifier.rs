@@ -17,7 +17,8 @@ use jsonwebtoken::{
 };
 
 use super::{Claims, TokenKey};
-use crate::{Error, model::Sender, watched::WatchedFile};
+use crate::watched::WatchedFile;
+use imdedup_domain::{Error, model::Sender};
 
 /// What a token must satisfy besides its signature.
 #[derive(Debug, Clone)]
@@ -334,12 +335,12 @@ impl TokenVerifier {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ErrorKind;
     use aws_lc_rs::{
         rand::SystemRandom,
         signature::{ECDSA_P256_SHA256_FIXED_SIGNING, EcdsaKeyPair, Ed25519KeyPair, KeyPair},
     };
     use base64::{Engine, engine::general_purpose::URL_SAFE_NO_PAD};
+    use imdedup_domain::ErrorKind;
     use jsonwebtoken::{EncodingKey, Header};
     use serde_json::json;
 

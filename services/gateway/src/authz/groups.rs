@@ -16,10 +16,10 @@ use std::{
 };
 
 use async_trait::async_trait;
-use imdedup_core::{
+use imdedup_core::watched::WatchedFile;
+use imdedup_domain::{
     Error,
     model::{ConversationId, Sender},
-    watched::WatchedFile,
 };
 
 use super::{Membership, direct};

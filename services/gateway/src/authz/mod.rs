@@ -15,7 +15,7 @@ pub mod service;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use imdedup_core::{
+use imdedup_domain::{
     Error,
     model::{ConversationId, Sender},
 };
@@ -92,7 +92,7 @@ impl Authorizer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use imdedup_core::ErrorKind;
+    use imdedup_domain::ErrorKind;
 
     fn user(name: &str) -> Sender {
         Sender::parse(name).unwrap()

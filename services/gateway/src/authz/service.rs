@@ -13,10 +13,10 @@
 use std::{sync::Arc, time::Duration};
 
 use async_trait::async_trait;
-use imdedup_core::{
+use imdedup_core::tls::{self, InternalTls};
+use imdedup_domain::{
     Error,
     model::{ConversationId, Sender},
-    tls::{self, InternalTls},
 };
 use imdedup_proto::v1::{
     CheckMembershipRequest, CheckMembershipResponse,

@@ -4,7 +4,9 @@
 
 use std::sync::Arc;
 
-use imdedup_core::{Error, server::ServeOptions};
+use imdedup_core::server::ServeOptions;
+
+use imdedup_domain::Error;
 use imdedup_proto::v1::{
     BusinessOutcome, BusinessSendRequest, BusinessSendResponse,
     business_service_server::{BusinessService, BusinessServiceServer},
@@ -72,7 +74,7 @@ fn too_large_is_invalid<B>(mut response: axum::http::Response<B>) -> axum::http:
         headers.insert(
             ERROR_CODE_METADATA,
             axum::http::HeaderValue::from_static(error_code(
-                imdedup_core::ErrorKind::InvalidArgument,
+                imdedup_domain::ErrorKind::InvalidArgument,
             )),
         );
     }
@@ -145,7 +147,7 @@ pub async fn serve(
 
 #[cfg(test)]
 mod tests {
-    use imdedup_core::{ErrorKind, model::Receipt};
+    use imdedup_domain::{ErrorKind, model::Receipt};
     use tonic::Code;
 
     use super::*;

@@ -24,7 +24,7 @@ use axum::{
     http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header},
     response::{IntoResponse, Response},
 };
-use imdedup_core::{Error, ErrorKind};
+use imdedup_domain::{Error, ErrorKind};
 use serde::Deserialize;
 
 use super::{Answer, Request, error_code};
@@ -208,7 +208,7 @@ fn error_response(error: &Error) -> ErrorResponse {
 mod tests {
     use std::time::Duration;
 
-    use imdedup_core::model::Receipt;
+    use imdedup_domain::model::Receipt;
 
     use super::*;
 

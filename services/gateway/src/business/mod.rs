@@ -17,10 +17,12 @@ pub mod http;
 
 use std::{sync::Arc, time::Instant};
 
-use imdedup_core::{
-    Error, ErrorKind, convert,
+use imdedup_domain::{
+    Error, ErrorKind,
     model::{ClientMsgId, IdempotencyKey, Outcome, Receipt, Sender},
 };
+
+use imdedup_proto::convert;
 
 use crate::{Gateway, connection::for_phone};
 

@@ -6,13 +6,11 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 use anyhow::Context;
 use clap::Args;
 use imdedup_core::{
-    clock::SystemClock,
     metrics::{GatewayMetrics, Registry},
-    model::DEFAULT_MAX_BODY_BYTES,
-    routing::ShardMap,
     secret::Secret,
     token::{Jwks, TokenKey, TokenPolicy, TokenVerifier},
 };
+use imdedup_domain::{clock::SystemClock, model::DEFAULT_MAX_BODY_BYTES, routing::ShardMap};
 use imdedup_gateway::{Gateway, GatewayConfig};
 
 use crate::authz::AuthzArgs;

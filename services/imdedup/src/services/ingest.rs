@@ -4,11 +4,13 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 
 use anyhow::Context;
 use clap::Args;
-use imdedup_core::window::RecentWindow;
 use imdedup_core::{
     metrics::{IngestMetrics, Registry, StoreMetrics, shard_registry},
-    model::DEFAULT_MAX_BODY_BYTES,
     remote_store::RemoteStore,
+};
+use imdedup_domain::window::RecentWindow;
+use imdedup_domain::{
+    model::DEFAULT_MAX_BODY_BYTES,
     routing::{Ownership, ShardMap},
     store::MessageStore,
 };

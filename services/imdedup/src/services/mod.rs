@@ -99,10 +99,10 @@ mod tests {
 
     use super::{gateway::*, ingest::*, storage::*, token::*, *};
     use clap::Args;
-    use imdedup_core::{
+    use imdedup_core::token::{TokenKey, TokenVerifier};
+    use imdedup_domain::{
         clock::{Clock, SystemClock},
         model::{DEFAULT_MAX_BODY_BYTES, Sender},
-        token::{TokenKey, TokenVerifier},
     };
 
     #[derive(Parser)]

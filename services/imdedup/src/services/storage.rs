@@ -5,10 +5,8 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::Context;
 use clap::Args;
-use imdedup_core::{
-    metrics::{Registry, StoreMetrics},
-    store::MessageStore,
-};
+use imdedup_core::metrics::{Registry, StoreMetrics};
+use imdedup_domain::store::MessageStore;
 use imdedup_storage::{ScyllaOptions, ScyllaStore, SqliteOptions, SqliteStore};
 
 use crate::backends::ScyllaArgs;

@@ -46,9 +46,10 @@ use std::{
 
 use rand::Rng;
 
-use imdedup_core::{
+use imdedup_core::metrics::IngestMetrics;
+
+use imdedup_domain::{
     Error, ErrorKind,
-    metrics::IngestMetrics,
     model::NewMessage,
     store::{Insert, MessageStore},
 };

@@ -13,7 +13,8 @@ use super::{
     Block, Inner,
     rows::{Column, LwtColumns, db_error, lwt, to_i64, value},
 };
-use imdedup_core::{Error, metrics::DB_CASSANDRA};
+use imdedup_core::metrics::DB_CASSANDRA;
+use imdedup_domain::Error;
 
 /// What a lease LWT that did not apply says of the row: its `next_free` and
 /// `owner`, when it exists (Cassandra sends the condition's columns,

@@ -31,7 +31,7 @@ use std::{
     time::Duration,
 };
 
-use imdedup_core::Error;
+use imdedup_domain::Error;
 use scylla::client::session::Session;
 
 use super::requests::{Counted, RequestKind};

@@ -42,9 +42,9 @@ use std::{
 };
 
 use async_trait::async_trait;
-use imdedup_core::{
+use imdedup_core::metrics::DB_CASSANDRA;
+use imdedup_domain::{
     Error,
-    metrics::DB_CASSANDRA,
     model::{HistoryQuery, MessageKey, NewMessage, Receipt, StoredMessage},
     store::{Insert, MessageStore},
 };

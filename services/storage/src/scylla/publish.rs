@@ -23,7 +23,7 @@
 
 use std::time::Instant;
 
-use imdedup_core::{
+use imdedup_domain::{
     Error,
     model::{HistoryQuery, StoredMessage},
 };

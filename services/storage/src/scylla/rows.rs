@@ -1,7 +1,7 @@
 //! Reading replies: typed rows for reads, LWT replies (whose columns differ
 //! between ScyllaDB and Cassandra), and the errors of database calls.
 
-use imdedup_core::{
+use imdedup_domain::{
     Error, ErrorKind,
     model::{ClientMsgId, ConversationId, MessageKey, Receipt, Sender, StoredMessage},
 };

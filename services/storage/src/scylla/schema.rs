@@ -1,6 +1,6 @@
 //! The schema: keyspace and tables, created or updated by [`migrate`].
 
-use imdedup_core::Error;
+use imdedup_domain::Error;
 use scylla::client::session::Session;
 
 use super::{

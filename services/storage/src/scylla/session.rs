@@ -3,7 +3,9 @@
 
 use std::{collections::BTreeSet, sync::Arc, time::Duration};
 
-use imdedup_core::{Error, secret::Secret};
+use imdedup_core::secret::Secret;
+
+use imdedup_domain::Error;
 use scylla::{
     client::{
         execution_profile::ExecutionProfile, session::Session, session_builder::SessionBuilder,

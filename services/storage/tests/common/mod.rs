@@ -1,7 +1,7 @@
 //! Helpers shared by the store tests.
 #![allow(dead_code)]
 
-use imdedup_core::model::{
+use imdedup_domain::model::{
     Body, ClientMsgId, ConversationId, HistoryQuery, MessageKey, NewMessage, Sender,
 };
 use imdedup_storage::ScyllaOptions;
