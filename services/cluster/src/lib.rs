@@ -12,7 +12,7 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 use anyhow::Context;
 use imdedup_core::{
     admin::{Readiness, serve_admin},
-    metrics::{GatewayMetrics, IngestMetrics, Registry, StoreMetrics, shard_registry},
+    metrics::{Registry, shard_registry},
     remote_store::RemoteStore,
     server::ServeOptions,
     tls::{InternalTls, names},
@@ -25,10 +25,13 @@ use imdedup_domain::{
     routing::{Shard, ShardMap},
     store::MessageStore,
 };
+use imdedup_gateway::metrics::GatewayMetrics;
 use imdedup_gateway::{Gateway, GatewayConfig, authz::Authorizer, limits::Limits};
+use imdedup_ingest::metrics::IngestMetrics;
 use imdedup_ingest::{
     Dedup, DedupCounts, MemoryWindow, MemoryWindowOptions, RedisWindow, RedisWindowOptions,
 };
+use imdedup_storage::metrics::StoreMetrics;
 use imdedup_storage::{ScyllaOptions, ScyllaStore, SqliteOptions, SqliteStore};
 use tokio::{net::TcpListener, task::JoinHandle};
 use tokio_util::sync::CancellationToken;

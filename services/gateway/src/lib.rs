@@ -9,6 +9,7 @@ pub mod connection;
 pub mod frames;
 pub mod limits;
 pub mod listener;
+pub mod metrics;
 pub mod resends;
 pub mod shards;
 
@@ -33,9 +34,7 @@ use axum::{
     routing::{get, post},
 };
 use frames::SendCmd;
-use imdedup_core::{
-    metrics::GatewayMetrics, remote_store::RemoteStore, tls::InternalTls, token::TokenVerifier,
-};
+use imdedup_core::{remote_store::RemoteStore, tls::InternalTls, token::TokenVerifier};
 use imdedup_domain::{
     Error,
     clock::SharedClock,
@@ -46,6 +45,7 @@ use imdedup_domain::{
 };
 use limits::{Limits, SendRate, UserConnections};
 use listener::{Admission as ConnectionAdmission, GuardedListener};
+use metrics::GatewayMetrics;
 use resends::{Follower, InFlightSends, Leader};
 use tokio::{net::TcpListener, sync::Semaphore};
 

@@ -16,9 +16,9 @@ use std::{
     time::Duration,
 };
 
+use crate::metrics::GatewayMetrics;
 use axum::extract::connect_info::Connected;
 use axum::serve::{IncomingStream, Listener};
-use imdedup_core::metrics::GatewayMetrics;
 use tokio::{
     io::{AsyncRead, AsyncWrite, ReadBuf},
     net::{TcpListener, TcpStream},

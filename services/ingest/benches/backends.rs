@@ -26,7 +26,6 @@ use std::{
 
 use async_trait::async_trait;
 use futures_util::{StreamExt, stream};
-use imdedup_core::metrics::DB_CASSANDRA;
 use imdedup_domain::{
     Error,
     model::{
@@ -37,6 +36,7 @@ use imdedup_domain::{
     window::{Claim, RecentWindow},
 };
 use imdedup_ingest::{Dedup, RedisWindow, RedisWindowOptions};
+use imdedup_storage::metrics::DB_CASSANDRA;
 use imdedup_storage::{ScyllaOptions, ScyllaStore, scylla, scylla::RequestKind};
 
 fn env_or(name: &str, default: usize) -> usize {

@@ -9,7 +9,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use imdedup_core::metrics::IngestMetrics;
+use crate::metrics::IngestMetrics;
 
 use imdedup_domain::{
     Error, ErrorKind,

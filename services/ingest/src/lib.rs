@@ -8,6 +8,7 @@ pub mod db_limit;
 pub mod dedup;
 pub mod grpc;
 pub mod in_flight;
+pub mod metrics;
 pub mod redis_window;
 pub mod window;
 

@@ -30,8 +30,8 @@ use std::{
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
+use crate::metrics::WindowMetrics;
 use async_trait::async_trait;
-use imdedup_core::metrics::WindowMetrics;
 use imdedup_domain::{
     Error,
     model::{Fingerprint, MessageKey, Receipt, Remembered},

@@ -6,8 +6,8 @@
 
 use std::{sync::Arc, time::Duration, time::Instant};
 
+use crate::metrics::WindowMetrics;
 use async_trait::async_trait;
-use imdedup_core::metrics::WindowMetrics;
 use imdedup_domain::{
     Error,
     clock::{SharedClock, SystemClock},

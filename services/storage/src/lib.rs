@@ -4,6 +4,7 @@
 
 pub mod grpc;
 pub mod locks;
+pub mod metrics;
 pub mod scylla;
 pub mod sqlite;
 

@@ -18,8 +18,8 @@ use std::{
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
+use crate::metrics::{DB_SQLITE, StoreMetrics};
 use async_trait::async_trait;
-use imdedup_core::metrics::{DB_SQLITE, StoreMetrics};
 use imdedup_domain::{
     Error,
     model::{

@@ -2,7 +2,7 @@
 //! it (`imdedup_store_requests_total{kind}`): every request the store sends
 //! is counted once, by kind.
 
-use imdedup_core::metrics::DB_CASSANDRA;
+use imdedup_storage::metrics::DB_CASSANDRA;
 
 use imdedup_domain::store::{Insert, MessageStore};
 use imdedup_storage::{ScyllaStore, scylla::RequestKind};

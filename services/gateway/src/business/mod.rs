@@ -30,7 +30,7 @@ use crate::{Gateway, connection::for_phone};
 pub const SERVICE_NAME: &str = "imdedup.v1.BusinessService";
 
 /// The `outcome` of a call answered as a repeat.
-pub const DUPLICATE_BUSINESS_KEY: &str = imdedup_core::metrics::DUPLICATE_BUSINESS_KEY;
+pub const DUPLICATE_BUSINESS_KEY: &str = crate::metrics::DUPLICATE_BUSINESS_KEY;
 
 /// One call's fields as they arrived, not yet validated.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

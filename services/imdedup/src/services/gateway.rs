@@ -6,7 +6,7 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 use anyhow::Context;
 use clap::Args;
 use imdedup_core::{
-    metrics::{GatewayMetrics, Registry},
+    metrics::Registry,
     secret::Secret,
     token::{Jwks, TokenKey, TokenPolicy, TokenVerifier},
 };
@@ -17,6 +17,7 @@ use crate::authz::AuthzArgs;
 use crate::tls::InternalTlsArgs;
 
 use super::*;
+use imdedup_gateway::metrics::GatewayMetrics;
 
 #[derive(Debug, Args)]
 pub struct GatewayArgs {

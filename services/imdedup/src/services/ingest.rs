@@ -5,7 +5,7 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 use anyhow::Context;
 use clap::Args;
 use imdedup_core::{
-    metrics::{IngestMetrics, Registry, StoreMetrics, shard_registry},
+    metrics::{Registry, shard_registry},
     remote_store::RemoteStore,
 };
 use imdedup_domain::window::RecentWindow;
@@ -25,6 +25,8 @@ use crate::tls::{InternalTlsArgs, serve_options};
 use imdedup_core::tls::{InternalTls, names};
 
 use super::*;
+use imdedup_ingest::metrics::IngestMetrics;
+use imdedup_storage::metrics::StoreMetrics;
 
 #[derive(Debug, Args)]
 pub struct IngestArgs {

@@ -5,8 +5,9 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::Context;
 use clap::Args;
-use imdedup_core::metrics::{Registry, StoreMetrics};
+use imdedup_core::metrics::Registry;
 use imdedup_domain::store::MessageStore;
+use imdedup_storage::metrics::StoreMetrics;
 use imdedup_storage::{ScyllaOptions, ScyllaStore, SqliteOptions, SqliteStore};
 
 use crate::backends::ScyllaArgs;

@@ -14,7 +14,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use imdedup_core::metrics::IngestMetrics;
+use crate::metrics::IngestMetrics;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// The permits of inserts in flight, resized by [`Aimd`].

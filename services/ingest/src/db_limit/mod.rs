@@ -46,7 +46,7 @@ use std::{
 
 use rand::Rng;
 
-use imdedup_core::metrics::IngestMetrics;
+use crate::metrics::IngestMetrics;
 
 use imdedup_domain::{
     Error, ErrorKind,

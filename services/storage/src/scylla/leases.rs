@@ -13,7 +13,7 @@ use super::{
     Block, Inner,
     rows::{Column, LwtColumns, db_error, lwt, to_i64, value},
 };
-use imdedup_core::metrics::DB_CASSANDRA;
+use crate::metrics::DB_CASSANDRA;
 use imdedup_domain::Error;
 
 /// What a lease LWT that did not apply says of the row: its `next_free` and

@@ -41,8 +41,8 @@ use std::{
     time::{Duration, Instant},
 };
 
+use crate::metrics::DB_CASSANDRA;
 use async_trait::async_trait;
-use imdedup_core::metrics::DB_CASSANDRA;
 use imdedup_domain::{
     Error,
     model::{HistoryQuery, MessageKey, NewMessage, Receipt, StoredMessage},

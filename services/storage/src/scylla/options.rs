@@ -2,7 +2,9 @@
 
 use std::time::Duration;
 
-use imdedup_core::{metrics::StoreMetrics, secret::Secret};
+use imdedup_core::secret::Secret;
+
+use crate::metrics::StoreMetrics;
 
 use imdedup_domain::Error;
 use scylla::statement::{Consistency, SerialConsistency};

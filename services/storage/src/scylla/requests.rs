@@ -4,7 +4,7 @@
 //! at SERIAL consistency (a Paxos read). Divided by the messages stored,
 //! these say what a new message and a repeat cost the database tier.
 
-use imdedup_core::metrics::{DB_CASSANDRA, StoreMetrics};
+use crate::metrics::{DB_CASSANDRA, StoreMetrics};
 use scylla::{
     client::session::Session, errors::ExecutionError, response::query_result::QueryResult,
     serialize::row::SerializeRow, statement::prepared::PreparedStatement,

@@ -1,0 +1,323 @@
+//! The gateway's metrics (`imdedup_gateway_*`): names, types and labels
+//! are a contract with the dashboards and alert rules (see
+//! `imdedup_core::metrics`).
+
+use std::time::Duration;
+
+use imdedup_core::metrics::{
+    CodeLabels, GaugeGuard, OUTCOMES, OutcomeLabels, ReasonLabels, Registry, duration_histogram,
+    outcome_label,
+};
+use imdedup_domain::{ErrorKind, model::Outcome};
+use prometheus_client::{
+    encoding::EncodeLabelSet,
+    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
+    registry::Unit,
+};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ShardLabels {
+    shard: String,
+}
+
+/// The gateway's `outcome` of a business API call answered as a repeat of
+/// an earlier call with its idempotency key, whichever catcher (window or
+/// unique key) recognised it. The gateway's sends counter only.
+pub const DUPLICATE_BUSINESS_KEY: &str = "duplicate_business_key";
+
+imdedup_core::opaque_debug!(GatewayMetrics);
+
+/// The gateway's metrics (`imdedup_gateway_*`).
+#[derive(Clone)]
+pub struct GatewayMetrics {
+    connections: Gauge,
+    sends_in_flight: Gauge,
+    sends: Family<OutcomeLabels, Counter>,
+    send_errors: Family<CodeLabels, Counter>,
+    ack_duration: Histogram,
+    shard_up: Family<ShardLabels, Gauge>,
+    limited: Family<ReasonLabels, Counter>,
+    resends_joined: Counter,
+    admission_limit: Gauge,
+    appointments: Gauge,
+}
+
+/// Why the gateway refused or ended something to protect itself (the
+/// `reason` label of `imdedup_gateway_limited_total`).
+pub const GATEWAY_LIMITS: [&str; 8] = [
+    "connections",
+    "unauthenticated",
+    "upgrade_timeout",
+    "user_connections",
+    "user_send_rate",
+    "in_flight",
+    "history_pulls",
+    "idle",
+];
+
+impl Default for GatewayMetrics {
+    fn default() -> Self {
+        Self {
+            connections: Gauge::default(),
+            sends_in_flight: Gauge::default(),
+            sends: Family::default(),
+            send_errors: Family::default(),
+            ack_duration: duration_histogram(),
+            shard_up: Family::default(),
+            limited: Family::default(),
+            resends_joined: Counter::default(),
+            admission_limit: Gauge::default(),
+            appointments: Gauge::default(),
+        }
+    }
+}
+
+impl GatewayMetrics {
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = Self::default();
+        registry.register(
+            "imdedup_gateway_connections",
+            "Open WebSocket connections",
+            m.connections.clone(),
+        );
+        registry.register(
+            "imdedup_gateway_sends_in_flight",
+            "Sends received, not answered yet",
+            m.sends_in_flight.clone(),
+        );
+        registry.register(
+            "imdedup_gateway_sends",
+            "Answered sends by outcome",
+            m.sends.clone(),
+        );
+        registry.register(
+            "imdedup_gateway_send_errors",
+            "Error answers to sends by code",
+            m.send_errors.clone(),
+        );
+        registry.register_with_unit(
+            "imdedup_gateway_ack_duration",
+            "Frame read to ACK or error written, per send",
+            Unit::Seconds,
+            m.ack_duration.clone(),
+        );
+        // Known series start at 0, so rate() and increase() see their
+        // first counts too.
+        for outcome in OUTCOMES.into_iter().chain([DUPLICATE_BUSINESS_KEY]) {
+            drop(m.sends.get_or_create(&OutcomeLabels { outcome }));
+        }
+        for kind in ErrorKind::ALL {
+            drop(m.send_errors.get_or_create(&CodeLabels {
+                code: kind.as_str(),
+            }));
+        }
+        registry.register(
+            "imdedup_gateway_limited",
+            "Connections refused or closed and sends or pulls refused by a gateway limit, by reason",
+            m.limited.clone(),
+        );
+        for reason in GATEWAY_LIMITS {
+            drop(m.limited.get_or_create(&ReasonLabels { reason }));
+        }
+        registry.register(
+            "imdedup_gateway_resends_joined",
+            "Copies of a send in flight that waited for its answer instead of going to a shard",
+            m.resends_joined.clone(),
+        );
+        registry.register(
+            "imdedup_gateway_admission_limit",
+            "Sends the gateway lets in flight now (adaptive, driven by their latency)",
+            m.admission_limit.clone(),
+        );
+        registry.register(
+            "imdedup_gateway_appointments",
+            "Refused sends given a time to come back, not back yet",
+            m.appointments.clone(),
+        );
+        registry.register(
+            "imdedup_gateway_shard_up",
+            "1 when the link to the ingest shard works, 0 when it failed last",
+            m.shard_up.clone(),
+        );
+        m
+    }
+
+    /// A gateway limit refused or ended something (one of
+    /// [`GATEWAY_LIMITS`]).
+    pub fn limited(&self, reason: &'static str) {
+        self.limited.get_or_create(&ReasonLabels { reason }).inc();
+    }
+
+    /// A copy of a send in flight joined it.
+    pub fn resend_joined(&self) {
+        self.resends_joined.inc();
+    }
+
+    pub fn resends_joined_count(&self) -> u64 {
+        self.resends_joined.get()
+    }
+
+    /// The admission limit and the appointments open now.
+    pub fn set_admission(&self, limit: usize, appointments: usize) {
+        self.admission_limit
+            .set(i64::try_from(limit).unwrap_or(i64::MAX));
+        self.appointments
+            .set(i64::try_from(appointments).unwrap_or(i64::MAX));
+    }
+
+    /// How many times `reason` was counted.
+    pub fn limited_count(&self, reason: &'static str) -> u64 {
+        self.limited.get_or_create(&ReasonLabels { reason }).get()
+    }
+
+    /// One more open connection, until the guard is dropped.
+    pub fn connection_opened(&self) -> GaugeGuard {
+        GaugeGuard::up(&self.connections)
+    }
+
+    /// One more send waiting for its answer, until the guard is dropped.
+    pub fn send_started(&self) -> GaugeGuard {
+        GaugeGuard::up(&self.sends_in_flight)
+    }
+
+    /// A send was answered (ACK or error frame written) `elapsed` after its
+    /// frame was read.
+    pub fn send_answered(&self, result: Result<Outcome, ErrorKind>, elapsed: Duration) {
+        self.sends
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome_label(result),
+            })
+            .inc();
+        if let Err(kind) = result {
+            self.send_errors
+                .get_or_create(&CodeLabels {
+                    code: kind.as_str(),
+                })
+                .inc();
+        }
+        self.ack_duration.observe(elapsed.as_secs_f64());
+    }
+
+    /// A business API call was answered `elapsed` after it arrived: counted
+    /// like a phone's send, but a repeat as [`DUPLICATE_BUSINESS_KEY`].
+    pub fn business_send_answered(&self, result: Result<Outcome, ErrorKind>, elapsed: Duration) {
+        match result {
+            Ok(outcome) if outcome.is_duplicate() => {
+                self.sends
+                    .get_or_create(&OutcomeLabels {
+                        outcome: DUPLICATE_BUSINESS_KEY,
+                    })
+                    .inc();
+                self.ack_duration.observe(elapsed.as_secs_f64());
+            }
+            result => self.send_answered(result, elapsed),
+        }
+    }
+
+    /// Set whether the link to ingest shard `shard` works.
+    pub fn set_shard_up(&self, shard: &str, up: bool) {
+        self.shard_up
+            .get_or_create(&ShardLabels {
+                shard: shard.to_owned(),
+            })
+            .set(i64::from(up));
+    }
+
+    /// Judge the link to `shard` by the result of one send to it: any answer
+    /// (an ACK, or an error the shard sent) means it works; `unavailable`
+    /// means it failed; a deadline says nothing about the link.
+    pub fn shard_replied(&self, shard: &str, result: Result<(), ErrorKind>) {
+        match result {
+            Err(ErrorKind::DeadlineExceeded) => {}
+            Err(ErrorKind::Unavailable) => self.set_shard_up(shard, false),
+            Ok(()) | Err(_) => self.set_shard_up(shard, true),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use imdedup_core::metrics::{render, sum_samples};
+
+    use super::*;
+
+    #[test]
+    fn names_and_labels_match_the_contract() {
+        let mut registry = Registry::default();
+        let gateway = GatewayMetrics::register(&mut registry);
+        let _connection = gateway.connection_opened();
+        gateway.send_answered(Ok(Outcome::Stored), Duration::from_millis(3));
+        gateway.send_answered(Err(ErrorKind::InvalidArgument), Duration::from_millis(1));
+        gateway.shard_replied("http://a", Err(ErrorKind::Unavailable));
+
+        let text = render(&registry);
+        for (name, labels, value) in [
+            ("imdedup_gateway_connections", vec![], 1.0),
+            (
+                "imdedup_gateway_sends_total",
+                vec![("outcome", "stored")],
+                1.0,
+            ),
+            (
+                "imdedup_gateway_sends_total",
+                vec![("outcome", "rejected")],
+                1.0,
+            ),
+            (
+                "imdedup_gateway_send_errors_total",
+                vec![("code", "invalid_argument")],
+                1.0,
+            ),
+            ("imdedup_gateway_ack_duration_seconds_count", vec![], 2.0),
+            (
+                "imdedup_gateway_ack_duration_seconds_bucket",
+                vec![("le", "0.0025")],
+                1.0,
+            ),
+            ("imdedup_gateway_shard_up", vec![("shard", "http://a")], 0.0),
+        ] {
+            assert_eq!(
+                sum_samples(&text, name, &labels),
+                Some(value),
+                "{name} {labels:?} in\n{text}"
+            );
+        }
+        assert!(text.contains("# TYPE imdedup_gateway_ack_duration_seconds histogram\n"));
+        assert!(text.ends_with("# EOF\n"));
+    }
+
+    #[test]
+    fn business_repeats_are_counted_under_their_own_outcome() {
+        let mut registry = Registry::default();
+        let gateway = GatewayMetrics::register(&mut registry);
+        let sends = |outcome| {
+            sum_samples(
+                &render(&registry),
+                "imdedup_gateway_sends_total",
+                &[("outcome", outcome)],
+            )
+        };
+        assert_eq!(sends(DUPLICATE_BUSINESS_KEY), Some(0.0), "starts at 0");
+        let ms = Duration::from_millis(1);
+        gateway.business_send_answered(Ok(Outcome::Stored), ms);
+        gateway.business_send_answered(Ok(Outcome::DuplicateWindow), ms);
+        gateway.business_send_answered(Ok(Outcome::DuplicateUniqueKey), ms);
+        gateway.business_send_answered(Err(ErrorKind::IdReused), ms);
+        assert_eq!(sends("stored"), Some(1.0));
+        assert_eq!(sends(DUPLICATE_BUSINESS_KEY), Some(2.0));
+        assert_eq!(sends("duplicate_window"), Some(0.0));
+        assert_eq!(sends("rejected"), Some(1.0));
+    }
+
+    #[test]
+    fn guards_bring_gauges_back_down() {
+        let mut registry = Registry::default();
+        let gateway = GatewayMetrics::register(&mut registry);
+        {
+            let _a = gateway.send_started();
+            let _b = gateway.send_started();
+            assert!(render(&registry).contains("imdedup_gateway_sends_in_flight 2\n"));
+        }
+        assert!(render(&registry).contains("imdedup_gateway_sends_in_flight 0\n"));
+    }
+}
