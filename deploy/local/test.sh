@@ -70,9 +70,9 @@ target/debug/imdedup-load overload --embedded --capacity 600 --surge 4s \
 # map 2 -> 3 -> 2. One line each; every must-be-zero count must be 0.
 IMDEDUP_FAULTS_NO_BUILD=1 deploy/local/faults.sh
 
-# Overload with a stalled database, the short version: the capacity of a
-# cluster measured, then, on a freshly restarted (cold) Cassandra, the
-# pause4+redis sequence at half of it: Cassandra paused 4 s, Redis killed and
+# Overload with a stalled database, the short version: Cassandra restarted
+# and the capacity of a cluster measured on it, then the pause4+redis
+# sequence on that database at half of it: Cassandra paused 4 s, Redis killed and
 # restarted; fails on a loss, a repeat or a phone giving up, and prints the
 # goodput, recovery and tries figures. Last in the suite, as it restarts the
 # shared Cassandra. The full set: deploy/local/overload.sh.
