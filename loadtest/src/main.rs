@@ -203,6 +203,11 @@ struct Common {
     /// gateway speaks both.
     #[arg(long, default_value = "json", value_parser = ["json", "protobuf"])]
     encoding: String,
+    /// Phones that do not ask the gateway to hold their sends when it is
+    /// full: every deferred send is refused and tried again, as clients
+    /// that predate the `queued` answer do.
+    #[arg(long)]
+    no_queue: bool,
 }
 
 #[tokio::main]
@@ -458,6 +463,7 @@ fn load_config(name: &str, args: &Common, rate: Option<f64>) -> anyhow::Result<L
         } else {
             Encoding::Json
         },
+        queue: !args.no_queue,
         admin: args.admin.clone(),
         schedule: Vec::new(),
     })

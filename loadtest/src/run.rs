@@ -91,6 +91,9 @@ pub struct LoadConfig {
     pub storm_window: Duration,
     /// The phones' frames: JSON text or protobuf binary.
     pub encoding: Encoding,
+    /// The phones ask the gateway to hold a send when it is full (a
+    /// `queued` answer) instead of refusing it.
+    pub queue: bool,
     /// Print a progress line every second.
     pub progress: bool,
     /// Follow every conversation with a cursor while the load runs (see
@@ -165,13 +168,14 @@ pub(crate) async fn connect_all(
     tokens: &[String],
     second: bool,
     encoding: Encoding,
+    queue: bool,
 ) -> anyhow::Result<Vec<(Link, Option<Client>)>> {
     let mut connecting = tokio::task::JoinSet::new();
     for (u, token) in tokens.iter().enumerate() {
         let (url, token) = (url.to_owned(), token.clone());
         connecting.spawn(async move {
             let context = || format!("cannot connect phone {u} to {url}");
-            let first = Link::connect(&url, &token, encoding)
+            let first = Link::connect(&url, &token, encoding, queue)
                 .await
                 .with_context(context)?;
             let other = if second {
@@ -346,7 +350,7 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<RunResult> {
     let tokens: Vec<String> = (0..config.users)
         .map(token)
         .collect::<anyhow::Result<_>>()?;
-    let phones = Arc::new(connect_all(&url, &tokens, second, config.encoding).await?);
+    let phones = Arc::new(connect_all(&url, &tokens, second, config.encoding, config.queue).await?);
 
     let mut rng = StdRng::seed_from_u64(config.seed);
     let plan: Vec<Planned> = (0..config.messages)
@@ -457,7 +461,7 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<RunResult> {
         dues = (0..plan.len())
             .map(|_| Duration::from_secs_f64(rng.random_range(0.0..window)))
             .collect();
-        Arc::new(connect_all(&url, &tokens, second, config.encoding).await?)
+        Arc::new(connect_all(&url, &tokens, second, config.encoding, config.queue).await?)
     } else {
         phones
     };

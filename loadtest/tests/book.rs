@@ -37,6 +37,7 @@ fn book(messages: u64) -> LoadConfig {
         progress: false,
         followers: true,
         encoding: Encoding::Json,
+        queue: true,
         admin: Vec::new(),
         schedule: Vec::new(),
     }

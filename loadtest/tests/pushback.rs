@@ -26,7 +26,7 @@ async fn a_phone_told_to_wait_keeps_its_schedule_and_its_message_is_stored() {
     let cluster = LocalCluster::start(options).await.unwrap();
     let token = cluster.token("ana").unwrap();
     let link = Arc::new(
-        Link::connect(&cluster.gateway_url(), &token, Encoding::Json)
+        Link::connect(&cluster.gateway_url(), &token, Encoding::Json, false)
             .await
             .unwrap(),
     );

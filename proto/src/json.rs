@@ -33,6 +33,10 @@ pub struct SendJson {
     pub id_b64: Option<String>,
     pub conversation: String,
     pub body: String,
+    /// The phone understands a `queued` answer: when the gateway is full it
+    /// may hold this send and answer it later instead of refusing it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub queue: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -53,6 +57,18 @@ pub enum ServerJson {
     Ack(AckJson),
     Error(ErrorJson),
     History(HistoryPageJson),
+    Queued(QueuedJson),
+}
+
+/// The gateway holds the send and will answer it on this connection; do not
+/// resend it before `retry_after_ms` (see `QueuedFrame` in gateway.proto).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueuedJson {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id_b64: Option<String>,
+    pub retry_after_ms: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -161,8 +177,26 @@ mod tests {
                 id: Some("m1".into()),
                 id_b64: None,
                 conversation: "c".into(),
-                body: "hi".into()
+                body: "hi".into(),
+                queue: false,
             })
+        );
+        let queued: ClientJson = serde_json::from_str(
+            r#"{"type":"send","id":"m1","conversation":"c","body":"hi","queue":true}"#,
+        )
+        .unwrap();
+        assert!(matches!(
+            queued,
+            ClientJson::Send(SendJson { queue: true, .. })
+        ));
+        let queued = ServerJson::Queued(QueuedJson {
+            id: Some("m1".into()),
+            id_b64: None,
+            retry_after_ms: 1500,
+        });
+        assert_eq!(
+            serde_json::to_string(&queued).unwrap(),
+            r#"{"type":"queued","id":"m1","retry_after_ms":1500}"#
         );
         let ack = ServerJson::Ack(AckJson {
             id: Some("m1".into()),

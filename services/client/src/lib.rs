@@ -103,6 +103,13 @@ pub enum Reply {
     Ack(AckReply),
     Error(ErrorReply),
     History(HistoryPage),
+    /// The gateway holds the send `id` and will answer it later; do not
+    /// resend it before `retry_after`. The client counts these
+    /// ([`Client::queued_answers`]) and keeps waiting for the answer.
+    Queued {
+        id: Vec<u8>,
+        retry_after: std::time::Duration,
+    },
 }
 
 type Waiter = oneshot::Sender<Reply>;
@@ -114,6 +121,8 @@ struct Pending {
     /// Set by the reader when the connection is gone: a waiter added after
     /// that would never be woken and would sit out the whole reply timeout.
     gone: bool,
+    /// `queued` answers received.
+    queued: u64,
 }
 
 /// How the gateway closed a connection: the WebSocket close code (1001 going
@@ -133,6 +142,8 @@ pub struct Client {
     closed: watch::Receiver<Option<Closed>>,
     next_ref: AtomicU64,
     reply_timeout: std::time::Duration,
+    /// Send frames ask the gateway to hold them when it is full.
+    queue: bool,
     /// Send frames written so far; taken together with the frame's place
     /// in the socket's queue, so numbers follow the order on the wire.
     sent_frames: Mutex<u64>,
@@ -232,6 +243,7 @@ impl Client {
             closed,
             next_ref: AtomicU64::new(1),
             reply_timeout: DEFAULT_REPLY_TIMEOUT,
+            queue: false,
             sent_frames: Mutex::new(0),
         })
     }
@@ -240,6 +252,19 @@ impl Client {
     pub fn with_reply_timeout(mut self, timeout: std::time::Duration) -> Self {
         self.reply_timeout = timeout;
         self
+    }
+
+    /// Ask the gateway, in every send frame, to hold a send when it is full
+    /// (answering `queued`) instead of refusing it. The reply timeout must
+    /// cover the wait: the gateway holds a send for up to 20 s by default.
+    pub fn with_queue(mut self, queue: bool) -> Self {
+        self.queue = queue;
+        self
+    }
+
+    /// `queued` answers received on this connection so far.
+    pub fn queued_answers(&self) -> u64 {
+        self.lock().queued
     }
 
     async fn wait(&self, rx: oneshot::Receiver<Reply>) -> Result<Reply, ClientError> {
@@ -307,12 +332,14 @@ impl Client {
                     id_b64,
                     conversation: conversation.to_owned(),
                     body: body.to_owned(),
+                    queue: self.queue,
                 }))
             }
             Encoding::Protobuf => protobuf_message(client_frame::Kind::Send(pb::SendFrame {
                 client_msg_id: id.to_vec(),
                 conversation: conversation.to_owned(),
                 body: body.to_owned(),
+                queue: self.queue,
             })),
         };
         let (tx, rx) = oneshot::channel();
@@ -340,7 +367,7 @@ impl Client {
         match self.wait(rx).await? {
             Reply::Ack(ack) => Ok(Ok(ack)),
             Reply::Error(e) => Ok(Err(e)),
-            Reply::History(_) => Err(ClientError::Closed),
+            Reply::History(_) | Reply::Queued { .. } => Err(ClientError::Closed),
         }
     }
 
@@ -381,7 +408,7 @@ impl Client {
         match self.wait(rx).await? {
             Reply::History(page) => Ok(Ok(page)),
             Reply::Error(e) => Ok(Err(e)),
-            Reply::Ack(_) => Err(ClientError::Closed),
+            Reply::Ack(_) | Reply::Queued { .. } => Err(ClientError::Closed),
         }
     }
 
@@ -456,6 +483,11 @@ impl Client {
 fn dispatch(pending: &Mutex<Pending>, reply: Reply) -> Option<Reply> {
     let mut pending = pending.lock().unwrap_or_else(|p| p.into_inner());
     let waiter = match &reply {
+        // The answer comes later; its waiter keeps waiting.
+        Reply::Queued { .. } => {
+            pending.queued += 1;
+            return None;
+        }
         Reply::Ack(AckReply { id, .. }) | Reply::Error(ErrorReply { id: Some(id), .. }) => {
             pending.sends.get_mut(id).and_then(VecDeque::pop_front)
         }
@@ -522,6 +554,10 @@ fn parse_json(bytes: &[u8]) -> Option<Reply> {
                 .retry_after_ms
                 .map(|ms| std::time::Duration::from_millis(u64::from(ms))),
         }),
+        ServerJson::Queued(q) => Reply::Queued {
+            id: id_bytes(q.id, q.id_b64)?,
+            retry_after: std::time::Duration::from_millis(u64::from(q.retry_after_ms)),
+        },
         ServerJson::History(h) => Reply::History(HistoryPage {
             reference: h.reference,
             conversation: h.conversation,
@@ -588,6 +624,10 @@ fn parse_protobuf(bytes: &[u8]) -> Option<Reply> {
             retry_after: (e.retry_after_ms > 0)
                 .then(|| std::time::Duration::from_millis(u64::from(e.retry_after_ms))),
         }),
+        server_frame::Kind::Queued(q) => Reply::Queued {
+            id: q.client_msg_id,
+            retry_after: std::time::Duration::from_millis(u64::from(q.retry_after_ms)),
+        },
         server_frame::Kind::History(h) => Reply::History(HistoryPage {
             reference: (!h.r#ref.is_empty()).then_some(h.r#ref),
             conversation: h.conversation,

@@ -243,6 +243,7 @@ fn binary_frame() -> impl Strategy<Value = Frame> {
                 client_msg_id: id,
                 conversation,
                 body,
+                queue: false,
             })
         }),
         (
@@ -318,6 +319,7 @@ fn valid_send_frame() -> impl Strategy<Value = Frame> {
                 client_msg_id: id,
                 conversation: conversation.to_owned(),
                 body,
+                queue: false,
             });
             Frame::Binary(pb::ClientFrame { kind: Some(kind) }.encode_to_vec())
         } else {
@@ -327,6 +329,7 @@ fn valid_send_frame() -> impl Strategy<Value = Frame> {
                 id_b64,
                 conversation: conversation.to_owned(),
                 body,
+                queue: false,
             });
             Frame::Text(serde_json::to_string(&send).unwrap())
         }
@@ -538,6 +541,7 @@ async fn next_reply(ws: &mut Ws, text: bool) -> Result<Reply, TestCaseError> {
                     reference: h.reference,
                     conversation: h.conversation,
                 },
+                ServerJson::Queued(_) => return Err(fail("queued, but no send asked for it")),
             })
         }
         (Message::Binary(reply), false) => {
@@ -584,6 +588,9 @@ async fn next_reply(ws: &mut Ws, text: bool) -> Result<Reply, TestCaseError> {
                         reference: (!h.r#ref.is_empty()).then_some(h.r#ref),
                         conversation: h.conversation,
                     },
+                    server_frame::Kind::Queued(_) => {
+                        return Err(fail("queued, but no send asked for it"));
+                    }
                 },
             )
         }

@@ -301,3 +301,60 @@ async fn history_pages_are_capped_in_bytes_and_pulls_per_connection_in_number() 
     assert!(limited(&cluster, "history_pulls").await >= 1.0);
     cluster.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_phone_that_asks_for_queue_is_held_not_refused_and_keeps_its_send_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = cluster(&dir, |l| l.max_sends_in_flight = 1).await;
+    let ana = common::connect(&cluster, "ana", Encoding::Json)
+        .await
+        .with_queue(true);
+    let other = "dm:ana:cat";
+    let ids: Vec<String> = (0..8).map(|i| format!("q-{i}")).collect();
+    let mut sends: Vec<_> = ids.iter().map(|id| (id.as_bytes(), DM, "body")).collect();
+    sends.insert(3, (b"q-other", other, "elsewhere"));
+    // While they are held, the same message from a second connection of
+    // the phone (a resend after a reconnect) joins the held send.
+    let again = common::connect(&cluster, "ana", Encoding::Protobuf)
+        .await
+        .with_queue(true);
+    let (replies, resent) = tokio::join!(ana.send_pipelined(&sends), async {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        again.send(b"q-7", DM, "body").await
+    });
+    let acks: Vec<_> = replies
+        .unwrap()
+        .into_iter()
+        .map(|r| r.expect("held and then stored, never refused"))
+        .collect();
+    assert!(ana.queued_answers() >= 2, "{}", ana.queued_answers());
+    assert_eq!(limited(&cluster, "in_flight").await, 0.0);
+    let queued = common::metric(
+        &cluster,
+        "gateway",
+        "imdedup_gateway_sends_queued_total",
+        &[],
+    )
+    .await
+    .unwrap_or_default();
+    assert_eq!(
+        queued,
+        (ana.queued_answers() + again.queued_answers()) as f64
+    );
+
+    // The conversation's sends are stored in the order they were written.
+    let dm_seqs: Vec<u64> = acks
+        .iter()
+        .filter(|a| a.id != b"q-other")
+        .map(|a| a.seq)
+        .collect();
+    assert!(dm_seqs.windows(2).all(|w| w[0] < w[1]), "{dm_seqs:?}");
+    let rows = common::rows(&ana, DM).await;
+    let stored: Vec<&[u8]> = rows.iter().map(|m| &m.id[..]).collect();
+    let written: Vec<&[u8]> = ids.iter().map(|id| id.as_bytes()).collect();
+    assert_eq!(stored, written, "each stored once, in send order");
+    let resent = resent.unwrap().expect("the copy gets the held send's ACK");
+    let first = acks.iter().find(|a| a.id == b"q-7").unwrap();
+    assert_eq!((resent.server_id, resent.seq), (first.server_id, first.seq));
+    cluster.shutdown().await;
+}

@@ -201,6 +201,22 @@ impl Admission {
             })
     }
 
+    /// An appointment for the send of (`sender`, `id`) even if there is
+    /// room now: for a send that must not overtake an earlier send of its
+    /// conversation that waits for its own appointment. Always a refusal:
+    /// an appointment, or shed past the horizon.
+    pub fn appoint(&self, sender: &str, id: &[u8]) -> Refusal {
+        let key = self.key(sender, id);
+        let mut state = self.lock();
+        if let Some(&slot) = state.book.get(&key) {
+            let now = Instant::now();
+            return Refusal::Appointment {
+                retry_after: slot.saturating_duration_since(now).max(MIN_WAIT),
+            };
+        }
+        state.book(key, Instant::now(), &self.options, &mut rand::rng())
+    }
+
     /// The limit now.
     pub fn limit(&self) -> usize {
         self.lock().aimd.limit()
@@ -297,19 +313,30 @@ impl State {
             Some(_) | None => {}
         }
         self.pace.refused(now);
+        Err(self.book(key, now, options, rng))
+    }
+
+    /// Give `key` the next appointment (or shed it past the horizon).
+    fn book(
+        &mut self,
+        key: u64,
+        now: Instant,
+        options: &AdmissionOptions,
+        rng: &mut impl Rng,
+    ) -> Refusal {
         self.sweep(now);
         // The next appointment, one send's time after the last one.
         let spacing = self.pace.spacing();
         let slot = self.last_slot.max(now) + spacing;
         if slot > now + options.horizon || self.book.len() >= MAX_BOOKED {
             let retry_after = options.horizon.mul_f64(rng.random_range(0.9..=1.1));
-            return Err(Refusal::Shed { retry_after });
+            return Refusal::Shed { retry_after };
         }
         self.last_slot = slot;
         self.book.insert(key, slot);
-        Err(Refusal::Appointment {
+        Refusal::Appointment {
             retry_after: (slot - now).max(MIN_WAIT),
-        })
+        }
     }
 
     fn completed(

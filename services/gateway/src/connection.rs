@@ -9,6 +9,7 @@ use std::{
 
 use axum::extract::ws::{CloseFrame, Message, WebSocket, close_code};
 use futures_util::{SinkExt, StreamExt};
+use imdedup_core::metrics::GaugeGuard;
 use imdedup_domain::{
     Error, ErrorKind,
     model::{Ack, ClientMsgId, ConversationId, HistoryQuery, Sender, StoredMessage},
@@ -18,7 +19,7 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 use crate::{
-    AdmittedSend, Gateway,
+    AdmittedSend, Gateway, Held,
     admission::Completion,
     frames::{self, Encoded, Encoding, HistoryCmd, Inbound, Outbound, ReplyTo, SendCmd},
 };
@@ -75,6 +76,7 @@ pub async fn run(
     let mut last_heard = tokio::time::Instant::now();
     let tasks = TaskTracker::new();
     let mut order = SendOrder::default();
+    let mut held = HeldSends::default();
     // How the connection ends, when the gateway ends it.
     let mut close: Option<CloseFrame> = None;
     loop {
@@ -151,10 +153,13 @@ pub async fn run(
         // to come back, rather than queued. A copy of a send in flight
         // joins it instead.
         let work = match inbound {
-            Inbound::Send(cmd) => match gateway.admit_send(&session.sender, &cmd) {
-                Ok(admitted) => Ok(Work::Send(cmd, admitted)),
-                Err(error) => Err((ReplyTo::send(&cmd), error)),
-            },
+            Inbound::Send(cmd) => {
+                let behind_held = cmd.queue && held.waiting(&cmd.conversation);
+                match gateway.admit_send(&session.sender, &cmd, behind_held) {
+                    Ok(admitted) => Ok(Work::Send(cmd, admitted)),
+                    Err(error) => Err((ReplyTo::send(&cmd), error)),
+                }
+            }
             Inbound::History(cmd) => match Arc::clone(&pulls).try_acquire_owned() {
                 Ok(permit) => Ok(Work::Pull(cmd, permit)),
                 Err(_) => {
@@ -176,6 +181,32 @@ pub async fn run(
                 continue;
             }
         };
+        let work = match work {
+            // Answered `queued` now, and sent when its appointment comes,
+            // without a place of the connection's: what the gateway holds
+            // is bounded by its budget for held sends and the user's rate.
+            Work::Send(cmd, AdmittedSend::Held(hold)) => {
+                let turn = order.next(&cmd.conversation);
+                held.hold(&cmd.conversation, hold.wait);
+                let queued = Outbound::Queued {
+                    id: cmd.id.clone(),
+                    id_b64: cmd.id_b64,
+                    retry_after: hold.wait + QUEUED_GRACE,
+                };
+                let _ = out.send(message(frames::encode(encoding, queued))).await;
+                let reply = Reply {
+                    gateway: Arc::clone(&gateway),
+                    out: out.clone(),
+                    encoding,
+                    read_at,
+                };
+                let sender = session.sender.clone();
+                let closing = held.closing.clone();
+                tasks.spawn(serve_held(reply, sender, cmd, hold, turn, closing));
+                continue;
+            }
+            work => work,
+        };
         // Waiting here stops reading: a phone cannot queue unbounded work.
         let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else {
             break;
@@ -186,7 +217,7 @@ pub async fn run(
         // A joined copy stores nothing, so it takes no turn.
         let turn = match &work {
             Work::Send(cmd, AdmittedSend::Lead { .. }) => Some(order.next(&cmd.conversation)),
-            Work::Send(_, AdmittedSend::Join(_)) | Work::Pull(..) => None,
+            Work::Send(_, AdmittedSend::Join(_) | AdmittedSend::Held(_)) | Work::Pull(..) => None,
         };
         tasks.spawn(async move {
             match work {
@@ -210,19 +241,16 @@ pub async fn run(
                             }
                             result
                         }
+                        // Taken care of before the connection's place.
+                        AdmittedSend::Held(_) => return,
                     };
-                    let kind = result.as_ref().map(|ack| ack.outcome).map_err(Error::kind);
-                    let reply = match result {
-                        Ok(ack) => Outbound::Ack { ack, id_b64 },
-                        Err(error) => Outbound::Error { to, error },
+                    let reply = Reply {
+                        gateway: Arc::clone(&gateway),
+                        out,
+                        encoding,
+                        read_at,
                     };
-                    let reply = message(frames::encode(encoding, reply));
-                    // Counted as answered once the reply is ready to go: the
-                    // queue to the socket never holds more than the in-flight
-                    // limit, so enqueueing does not wait.
-                    drop(in_flight);
-                    gateway.metrics().send_answered(kind, read_at.elapsed());
-                    let _ = out.send(reply).await;
+                    reply.send(to, id_b64, result, in_flight).await;
                 }
                 Work::Pull(cmd, pull) => {
                     let reply = history(&gateway, &sender, cmd).await;
@@ -233,7 +261,9 @@ pub async fn run(
             drop(permit);
         });
     }
-    // Every frame read so far is answered before the connection closes.
+    // Every frame read so far is answered before the connection closes;
+    // held sends not started yet are answered `unavailable` (not stored).
+    held.closing.cancel();
     tasks.close();
     tasks.wait().await;
     if let Some(frame) = close {
@@ -241,6 +271,114 @@ pub async fn run(
     }
     drop(out);
     let _ = writer.await;
+}
+
+/// A `queued` answer asks the phone not to resend before the appointment
+/// and this much more: about the time the send then takes.
+const QUEUED_GRACE: Duration = Duration::from_secs(1);
+
+/// Where a send's answer goes.
+struct Reply {
+    gateway: Arc<Gateway>,
+    out: mpsc::Sender<Message>,
+    encoding: Encoding,
+    /// When its frame was read.
+    read_at: Instant,
+}
+
+impl Reply {
+    /// Answer a send with its ACK or error, counted, releasing its place in
+    /// the gateway's in-flight gauge.
+    async fn send(
+        self,
+        to: ReplyTo,
+        id_b64: bool,
+        result: Result<Ack, Error>,
+        in_flight: GaugeGuard,
+    ) {
+        let kind = result.as_ref().map(|ack| ack.outcome).map_err(Error::kind);
+        let reply = match result {
+            Ok(ack) => Outbound::Ack { ack, id_b64 },
+            Err(error) => Outbound::Error { to, error },
+        };
+        let reply = message(frames::encode(self.encoding, reply));
+        // Counted as answered once the reply is ready to go: the queue to
+        // the socket never holds more than the in-flight limit, so
+        // enqueueing does not wait.
+        drop(in_flight);
+        self.gateway
+            .metrics()
+            .send_answered(kind, self.read_at.elapsed());
+        let _ = self.out.send(reply).await;
+    }
+}
+
+/// The sends this connection holds for their appointments.
+#[derive(Default)]
+struct HeldSends {
+    /// Per conversation, the appointment of its latest held send.
+    until: HashMap<String, tokio::time::Instant>,
+    /// Cancelled when the connection ends: held sends not started yet are
+    /// answered `unavailable` then.
+    closing: CancellationToken,
+}
+
+impl HeldSends {
+    /// Whether a send of `conversation` is held and not due yet.
+    fn waiting(&self, conversation: &str) -> bool {
+        self.until
+            .get(conversation)
+            .is_some_and(|&until| until > tokio::time::Instant::now())
+    }
+
+    fn hold(&mut self, conversation: &str, wait: Duration) {
+        let now = tokio::time::Instant::now();
+        if self.until.len() >= 64 {
+            self.until.retain(|_, &mut until| until > now);
+        }
+        self.until.insert(conversation.to_owned(), now + wait);
+    }
+}
+
+/// Send a held send when its appointment comes, after the sends of its
+/// conversation before it, and answer it; or answer `unavailable` if the
+/// connection ends first.
+async fn serve_held(
+    reply: Reply,
+    sender: Sender,
+    cmd: SendCmd,
+    hold: Held,
+    turn: Turn,
+    closing: CancellationToken,
+) {
+    let to = ReplyTo::send(&cmd);
+    let id_b64 = cmd.id_b64;
+    let Held { wait, leader, .. } = hold;
+    let due = tokio::select! {
+        () = closing.cancelled() => false,
+        () = tokio::time::sleep(wait) => true,
+    };
+    let in_flight = reply.gateway.metrics().send_started();
+    let result = if due {
+        let going = turn.wait().await;
+        match reply.gateway.admit_held(&sender, &cmd.id) {
+            Ok(pass) => {
+                let result = send(&reply.gateway, sender, cmd).await;
+                drop(going);
+                pass.finish(Completion::of(&result));
+                result
+            }
+            Err(refused) => Err(refused),
+        }
+    } else {
+        Err(Error::unavailable(
+            "the connection closed before the queued send's turn; not stored: resend with the same id",
+        ))
+    };
+    if let Some(leader) = leader {
+        leader.answer(&result);
+    }
+    reply.send(to, id_b64, result, in_flight).await;
 }
 
 /// What a frame asks for, once taken in.

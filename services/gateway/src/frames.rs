@@ -2,6 +2,8 @@
 //! Decoding only checks the frame's shape; the fields are validated into
 //! domain types by the connection, with the sender from the token.
 
+use std::time::Duration;
+
 use imdedup_domain::{
     Error,
     model::{Ack, StoredMessage},
@@ -26,6 +28,8 @@ pub struct SendCmd {
     pub id_b64: bool,
     pub conversation: String,
     pub body: String,
+    /// The phone understands a `queued` answer (see [`Outbound::Queued`]).
+    pub queue: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,6 +86,13 @@ pub enum Outbound {
         conversation: String,
         messages: Vec<StoredMessage>,
     },
+    /// The gateway holds the send and will answer it later; the phone is
+    /// not to resend it before `retry_after`.
+    Queued {
+        id: Vec<u8>,
+        id_b64: bool,
+        retry_after: Duration,
+    },
 }
 
 /// Decode one frame. A frame that cannot be decoded still names, where it
@@ -113,6 +124,7 @@ fn decode_json(bytes: &[u8]) -> Result<Inbound, (ReplyTo, Error)> {
                 id_b64: send.id_b64.is_some(),
                 conversation: send.conversation,
                 body: send.body,
+                queue: send.queue,
             }))
         }
         ClientJson::History(h) => Ok(Inbound::History(HistoryCmd {
@@ -210,6 +222,7 @@ fn decode_protobuf(bytes: &[u8]) -> Result<Inbound, (ReplyTo, Error)> {
             id_b64: false,
             conversation: send.conversation,
             body: send.body,
+            queue: send.queue,
         })),
         Some(client_frame::Kind::History(h)) => Ok(Inbound::History(HistoryCmd {
             conversation: h.conversation,
@@ -298,7 +311,24 @@ fn to_json(frame: Outbound) -> ServerJson {
                 })
                 .collect(),
         }),
+        Outbound::Queued {
+            id,
+            id_b64,
+            retry_after,
+        } => {
+            let (id, id_b64) = json::id_to_json(&id, id_b64);
+            ServerJson::Queued(json::QueuedJson {
+                id,
+                id_b64,
+                retry_after_ms: millis(retry_after),
+            })
+        }
     }
+}
+
+/// A wait in whole milliseconds, rounded up, for the wire.
+fn millis(wait: Duration) -> u32 {
+    u32::try_from(wait.as_micros().div_ceil(1000)).unwrap_or(u32::MAX)
 }
 
 fn to_protobuf(frame: Outbound) -> pb::ServerFrame {
@@ -332,6 +362,12 @@ fn to_protobuf(frame: Outbound) -> pb::ServerFrame {
             r#ref: reference.unwrap_or_default(),
             conversation,
             messages: messages.into_iter().map(Into::into).collect(),
+        }),
+        Outbound::Queued {
+            id, retry_after, ..
+        } => server_frame::Kind::Queued(pb::QueuedFrame {
+            client_msg_id: id,
+            retry_after_ms: millis(retry_after),
         }),
     };
     pb::ServerFrame { kind: Some(kind) }

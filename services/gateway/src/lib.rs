@@ -22,7 +22,7 @@ use std::{
     time::Duration,
 };
 
-use admission::{Admission, AdmissionOptions, Pass};
+use admission::{Admission, AdmissionOptions, Pass, Refusal};
 use axum::{
     Json, Router,
     extract::{
@@ -47,7 +47,10 @@ use limits::{Limits, SendRate, UserConnections};
 use listener::{Admission as ConnectionAdmission, GuardedListener};
 use metrics::GatewayMetrics;
 use resends::{Follower, InFlightSends, Leader};
-use tokio::{net::TcpListener, sync::Semaphore};
+use tokio::{
+    net::TcpListener,
+    sync::{OwnedSemaphorePermit, Semaphore},
+};
 
 /// How long a phone is asked to wait when the gateway as a whole is busy.
 pub(crate) const BUSY_RETRY_AFTER: Duration = Duration::from_millis(500);
@@ -106,6 +109,8 @@ pub struct Gateway {
     resends: Arc<InFlightSends>,
     /// Sends admitted, to sample the admission gauges now and then.
     admitted: AtomicU64,
+    /// Bytes of held sends the gateway may keep (permits are bytes).
+    held_bytes: Arc<Semaphore>,
     metrics: GatewayMetrics,
 }
 
@@ -117,6 +122,24 @@ pub(crate) enum AdmittedSend {
     /// answer goes to the copies that join it (none if another send with
     /// the same ID but other content is in flight).
     Lead { pass: Pass, leader: Option<Leader> },
+    /// Held until its appointment (see [`Gateway::admit_send`]).
+    Held(Held),
+}
+
+/// A send the gateway holds, without a place of the admission limit yet.
+pub(crate) struct Held {
+    /// Until its appointment.
+    pub wait: Duration,
+    /// Its answer goes to the copies that join it.
+    pub leader: Option<Leader>,
+    _budget: OwnedSemaphorePermit,
+}
+
+/// What holding `cmd` costs of the budget for held sends: its bytes, and a
+/// little for the rest of it.
+fn held_bytes(cmd: &SendCmd) -> u32 {
+    let bytes = cmd.id.len() + cmd.conversation.len() + cmd.body.len() + 256;
+    u32::try_from(bytes).unwrap_or(u32::MAX)
 }
 
 impl Gateway {
@@ -144,6 +167,9 @@ impl Gateway {
             }),
             resends: InFlightSends::new(),
             admitted: AtomicU64::new(0),
+            held_bytes: Arc::new(Semaphore::new(
+                config.limits.max_held_bytes.min(Semaphore::MAX_PERMITS),
+            )),
             metrics: GatewayMetrics::default(),
             config,
         })
@@ -167,8 +193,16 @@ impl Gateway {
     /// Admit one send of `sender`: a copy of a send in flight joins it;
     /// any other goes in if the admission limit and the user's rate allow,
     /// or is refused with `overloaded` and when to try again (see
-    /// [`admission`]).
-    pub(crate) fn admit_send(&self, sender: &Sender, cmd: &SendCmd) -> Result<AdmittedSend, Error> {
+    /// [`admission`]). A send whose phone asked for `queue` is held until
+    /// its appointment instead of being refused; so is one `behind_held`
+    /// (an earlier send of its conversation on the connection is held), so
+    /// that it does not overtake that one.
+    pub(crate) fn admit_send(
+        &self,
+        sender: &Sender,
+        cmd: &SendCmd,
+        behind_held: bool,
+    ) -> Result<AdmittedSend, Error> {
         let key = self
             .resends
             .key(sender.as_str(), &cmd.id, &cmd.conversation, &cmd.body);
@@ -176,7 +210,19 @@ impl Gateway {
             self.metrics.resend_joined();
             return Ok(AdmittedSend::Join(follower));
         }
-        let pass = self.admit(sender, &cmd.id)?;
+        let admitted = if cmd.queue && behind_held {
+            Err(self.admission.appoint(sender.as_str(), &cmd.id))
+        } else {
+            self.admission.admit(sender.as_str(), &cmd.id)
+        };
+        let pass = match admitted {
+            Ok(pass) => pass,
+            Err(Refusal::Appointment { retry_after }) if cmd.queue => {
+                return self.hold(sender, cmd, key, retry_after);
+            }
+            Err(refusal) => return Err(self.refused(refusal)),
+        };
+        self.check_send_rate(sender)?;
         if self
             .admitted
             .fetch_add(1, Ordering::Relaxed)
@@ -194,29 +240,75 @@ impl Gateway {
         }
     }
 
+    /// Hold a send that has an appointment `wait` from now: it is charged
+    /// to the user's rate now, and holds its bytes of the gateway's budget
+    /// for held sends until it is answered.
+    fn hold(
+        &self,
+        sender: &Sender,
+        cmd: &SendCmd,
+        key: resends::SendKey,
+        wait: Duration,
+    ) -> Result<AdmittedSend, Error> {
+        self.check_send_rate(sender)?;
+        let bytes = held_bytes(cmd);
+        let Ok(budget) = Arc::clone(&self.held_bytes).try_acquire_many_owned(bytes) else {
+            // No room to hold it: the phone keeps the appointment.
+            return Err(self.refused(Refusal::Appointment { retry_after: wait }));
+        };
+        self.metrics.send_queued();
+        let leader = match self.resends.lead(key) {
+            Ok(leader) => leader,
+            Err(follower) => {
+                self.metrics.resend_joined();
+                return Ok(AdmittedSend::Join(follower));
+            }
+        };
+        Ok(AdmittedSend::Held(Held {
+            wait,
+            leader,
+            _budget: budget,
+        }))
+    }
+
+    /// A place of the admission limit for a held send whose appointment has
+    /// come (it was charged to the user's rate when it was held).
+    pub(crate) fn admit_held(&self, sender: &Sender, id: &[u8]) -> Result<Pass, Error> {
+        self.admission
+            .admit(sender.as_str(), id)
+            .map_err(|refusal| self.refused(refusal))
+    }
+
     /// A place of the admission limit for a send of `sender` with `id`,
     /// within the user's rate; or `overloaded` with when to try again.
     pub(crate) fn admit(&self, sender: &Sender, id: &[u8]) -> Result<Pass, Error> {
         let pass = self
             .admission
             .admit(sender.as_str(), id)
-            .map_err(|refusal| {
-                self.metrics.limited("in_flight");
-                self.metrics
-                    .set_admission(self.admission.limit(), self.admission.booked());
-                Error::overloaded(
-                    "the gateway is busy; not stored: resend with the same id after retry_after_ms",
-                    refusal.retry_after(),
-                )
-            })?;
-        if let Err(wait) = self.send_rate.check(sender) {
+            .map_err(|refusal| self.refused(refusal))?;
+        self.check_send_rate(sender)?;
+        Ok(pass)
+    }
+
+    /// The answer to a send the admission refused, counted.
+    fn refused(&self, refusal: Refusal) -> Error {
+        self.metrics.limited("in_flight");
+        self.metrics
+            .set_admission(self.admission.limit(), self.admission.booked());
+        Error::overloaded(
+            "the gateway is busy; not stored: resend with the same id after retry_after_ms",
+            refusal.retry_after(),
+        )
+    }
+
+    fn check_send_rate(&self, sender: &Sender) -> Result<(), Error> {
+        self.send_rate.check(sender).map_err(|wait| {
             self.metrics.limited("user_send_rate");
-            return Err(Error::overloaded(
+            Error::overloaded(
                 "too many sends from this user; not stored: resend with the same id later",
                 wait.max(Duration::from_millis(1)),
-            ));
-        }
-        Ok(pass)
+            )
+        })
     }
 
     /// Connections open now.

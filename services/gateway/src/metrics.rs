@@ -38,6 +38,7 @@ pub struct GatewayMetrics {
     shard_up: Family<ShardLabels, Gauge>,
     limited: Family<ReasonLabels, Counter>,
     resends_joined: Counter,
+    sends_queued: Counter,
     admission_limit: Gauge,
     appointments: Gauge,
 }
@@ -66,6 +67,7 @@ impl Default for GatewayMetrics {
             shard_up: Family::default(),
             limited: Family::default(),
             resends_joined: Counter::default(),
+            sends_queued: Counter::default(),
             admission_limit: Gauge::default(),
             appointments: Gauge::default(),
         }
@@ -125,6 +127,11 @@ impl GatewayMetrics {
             m.resends_joined.clone(),
         );
         registry.register(
+            "imdedup_gateway_sends_queued",
+            "Sends held until their appointment and answered queued, instead of refused (the phone asked for queue)",
+            m.sends_queued.clone(),
+        );
+        registry.register(
             "imdedup_gateway_admission_limit",
             "Sends the gateway lets in flight now (adaptive, driven by their latency)",
             m.admission_limit.clone(),
@@ -151,6 +158,15 @@ impl GatewayMetrics {
     /// A copy of a send in flight joined it.
     pub fn resend_joined(&self) {
         self.resends_joined.inc();
+    }
+
+    /// A send was held for its appointment and answered `queued`.
+    pub fn send_queued(&self) {
+        self.sends_queued.inc();
+    }
+
+    pub fn sends_queued_count(&self) -> u64 {
+        self.sends_queued.get()
     }
 
     pub fn resends_joined_count(&self) -> u64 {

@@ -412,13 +412,16 @@ fn id() -> impl Strategy<Value = Vec<u8>> {
 }
 
 fn send_cmd() -> impl Strategy<Value = SendCmd> {
-    (id(), any::<bool>(), text(), text()).prop_map(|(id, b64, conversation, body)| SendCmd {
-        // JSON carries an ID that is not UTF-8 only as id_b64.
-        id_b64: b64 || std::str::from_utf8(&id).is_err(),
-        id,
-        conversation,
-        body,
-    })
+    (id(), any::<bool>(), text(), text(), any::<bool>()).prop_map(
+        |(id, b64, conversation, body, queue)| SendCmd {
+            // JSON carries an ID that is not UTF-8 only as id_b64.
+            id_b64: b64 || std::str::from_utf8(&id).is_err(),
+            id,
+            conversation,
+            body,
+            queue,
+        },
+    )
 }
 
 /// A history pull as a phone writes it: any field may be left out.
@@ -452,6 +455,7 @@ fn protobuf_bytes() -> impl Strategy<Value = Vec<u8>> {
             client_msg_id: c.id,
             conversation: c.conversation,
             body: c.body,
+            queue: c.queue,
         })),
         pull().prop_map(|p| client_frame::Kind::History(pb::HistoryFrame {
             conversation: p.conversation,
@@ -624,6 +628,9 @@ proptest! {
     #[test]
     fn valid_sends_round_trip(cmd in send_cmd(), extra in prop::option::of(value())) {
         let mut frame = json!({"type": "send", "conversation": cmd.conversation, "body": cmd.body});
+        if cmd.queue {
+            frame["queue"] = json!(true);
+        }
         if cmd.id_b64 {
             frame["id_b64"] = json!(STANDARD.encode(&cmd.id));
         } else {
@@ -640,6 +647,7 @@ proptest! {
                 client_msg_id: cmd.id.clone(),
                 conversation: cmd.conversation.clone(),
                 body: cmd.body.clone(),
+                queue: cmd.queue,
             })),
         }
         .encode_to_vec();

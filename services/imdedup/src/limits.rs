@@ -42,6 +42,11 @@ pub struct LimitArgs {
     /// so the work it takes in finishes in about this time.
     #[arg(long, env = "IMDEDUP_SEND_LATENCY_TARGET", default_value = "600ms", value_parser = duration)]
     pub send_latency_target: Duration,
+    /// Most bytes of sends the gateway holds for their appointment (phones
+    /// that ask for `queue` get a `queued` answer instead of a refusal);
+    /// beyond, such sends are refused with their appointment. 0 holds none.
+    #[arg(long, env = "IMDEDUP_MAX_HELD_BYTES", default_value_t = 64 << 20)]
+    pub max_held_bytes: usize,
     /// Most bytes of message bodies in one history page (a page holds at
     /// least one message).
     #[arg(long, env = "IMDEDUP_MAX_HISTORY_PAGE_BYTES", default_value_t = 1 << 20)]
@@ -64,6 +69,7 @@ impl LimitArgs {
             user_send_burst: self.user_send_burst,
             max_sends_in_flight: self.max_sends_in_flight.max(1),
             send_latency_target: self.send_latency_target.max(Duration::from_millis(1)),
+            max_held_bytes: self.max_held_bytes,
             max_history_page_bytes: self.max_history_page_bytes.max(1),
             max_pulls_per_connection: self.max_pulls_per_connection.max(1),
         }
