@@ -39,6 +39,12 @@
 //! come back after the horizon (jittered), without an appointment, and the
 //! refusal is counted as shed.
 //!
+//! **Held sends.** A phone that asks for `queue` is not refused: the
+//! gateway holds its send and presents it at the appointment itself
+//! ([`Admission::admit_due`]). Such a send that finds no place waits for
+//! one, first come first served, for a moment, rather than being given an
+//! appointment at the end: it is the oldest work there is.
+//!
 //! Appointments are by (sender, message ID), hashed: another connection of
 //! the same phone with the same message keeps the same turn, and a hash
 //! collision only gives a stranger's message a turn early.
@@ -52,6 +58,7 @@ use std::{
 
 use imdedup_domain::{Error, ErrorKind, model::Ack};
 use rand::Rng;
+use tokio::sync::Notify;
 
 /// Bounds of the admission limit and of the appointments.
 #[derive(Debug, Clone, Copy)]
@@ -153,6 +160,9 @@ pub struct Admission {
     state: Mutex<State>,
     options: AdmissionOptions,
     keys: RandomState,
+    /// Woken when a place is given back: held sends whose appointment has
+    /// come wait on it for a place.
+    room: Notify,
 }
 
 /// A place taken by an admitted send; given back when dropped. A pass
@@ -184,6 +194,7 @@ impl Admission {
             state: Mutex::new(State::new(options, now)),
             options,
             keys: RandomState::new(),
+            room: Notify::new(),
         })
     }
 
@@ -217,6 +228,45 @@ impl Admission {
         state.book(key, Instant::now(), &self.options, &mut rand::rng())
     }
 
+    /// Take in a held send of (`sender`, `id`) whose appointment has come:
+    /// in as soon as there is a place for an appointment (up to twice the
+    /// limit), waiting for one up to `patience`, first come first served.
+    /// The gateway holds the send already, so waiting costs no frame; sent
+    /// to the end of the appointments instead, the oldest sends would wait
+    /// longest. After `patience`, the appointment is given again as for a
+    /// phone that came back on time and found no place.
+    pub async fn admit_due(
+        self: &Arc<Self>,
+        sender: &str,
+        id: &[u8],
+        patience: Duration,
+    ) -> Result<Pass, Refusal> {
+        let key = self.key(sender, id);
+        let deadline = tokio::time::Instant::now() + patience;
+        loop {
+            let room = self.room.notified();
+            let now = Instant::now();
+            if self.lock().admit_due(key) {
+                return Ok(Pass {
+                    admission: Arc::clone(self),
+                    started: now,
+                    completion: None,
+                });
+            }
+            if tokio::time::timeout_at(deadline, room).await.is_err() {
+                let mut rng = rand::rng();
+                return self
+                    .lock()
+                    .admit(key, Instant::now(), &self.options, &mut rng)
+                    .map(|()| Pass {
+                        admission: Arc::clone(self),
+                        started: Instant::now(),
+                        completion: None,
+                    });
+            }
+        }
+    }
+
     /// The limit now.
     pub fn limit(&self) -> usize {
         self.lock().aimd.limit()
@@ -239,12 +289,15 @@ impl Admission {
     }
 
     fn release(&self, started: Instant, now: Instant, completion: Option<Completion>) {
-        let mut state = self.lock();
-        state.in_flight = state.in_flight.saturating_sub(1);
-        if let Some(completion) = completion {
-            let in_flight = state.in_flight + 1;
-            state.completed(started, now, in_flight, completion);
+        {
+            let mut state = self.lock();
+            state.in_flight = state.in_flight.saturating_sub(1);
+            if let Some(completion) = completion {
+                let in_flight = state.in_flight + 1;
+                state.completed(started, now, in_flight, completion);
+            }
         }
+        self.room.notify_one();
     }
 }
 
@@ -337,6 +390,17 @@ impl State {
         Refusal::Appointment {
             retry_after: (slot - now).max(MIN_WAIT),
         }
+    }
+
+    /// A held send whose appointment has come: in if there is a place for
+    /// an appointment. Its appointment stays booked until then.
+    fn admit_due(&mut self, key: u64) -> bool {
+        if self.in_flight >= self.aimd.limit().saturating_mul(2) {
+            return false;
+        }
+        self.book.remove(&key);
+        self.in_flight += 1;
+        true
     }
 
     fn completed(
@@ -541,6 +605,49 @@ mod tests {
             Err(Refusal::Appointment { retry_after }) => retry_after,
             other => panic!("expected an appointment, got {other:?}"),
         }
+    }
+
+    #[tokio::test]
+    async fn a_due_held_send_waits_for_a_place_instead_of_going_to_the_end() {
+        // A limit of one: appointments go in up to two in flight.
+        let admission = Admission::new(options(1));
+        let first = admission.admit("ana", b"1").unwrap();
+        assert!(matches!(
+            admission.admit("ana", b"2"),
+            Err(Refusal::Appointment { .. })
+        ));
+        let second = admission
+            .admit_due("ana", b"2", Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert!(matches!(
+            admission.admit("ana", b"3"),
+            Err(Refusal::Appointment { .. })
+        ));
+        // Two in flight: the third waits for a place...
+        let third = tokio::spawn({
+            let admission = Arc::clone(&admission);
+            async move {
+                admission
+                    .admit_due("ana", b"3", Duration::from_secs(30))
+                    .await
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!third.is_finished(), "no place yet");
+        // ...and takes the one given back.
+        drop(first);
+        let third = third.await.unwrap().expect("in, on the freed place");
+        assert_eq!(admission.lock().in_flight, 2);
+        assert_eq!(admission.booked(), 0, "both appointments used");
+        // Past its patience without a place: a new appointment.
+        assert!(matches!(
+            admission
+                .admit_due("ana", b"4", Duration::from_millis(20))
+                .await,
+            Err(Refusal::Appointment { .. })
+        ));
+        drop((second, third));
     }
 
     #[test]

@@ -361,7 +361,11 @@ async fn serve_held(
     let in_flight = reply.gateway.metrics().send_started();
     let result = if due {
         let going = turn.wait().await;
-        match reply.gateway.admit_held(&sender, &cmd.id) {
+        match reply
+            .gateway
+            .admit_held(&sender, &cmd.id, QUEUED_GRACE / 2)
+            .await
+        {
             Ok(pass) => {
                 let result = send(&reply.gateway, sender, cmd).await;
                 drop(going);

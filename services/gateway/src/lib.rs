@@ -272,10 +272,17 @@ impl Gateway {
     }
 
     /// A place of the admission limit for a held send whose appointment has
-    /// come (it was charged to the user's rate when it was held).
-    pub(crate) fn admit_held(&self, sender: &Sender, id: &[u8]) -> Result<Pass, Error> {
+    /// come (it was charged to the user's rate when it was held), waiting
+    /// for one up to `patience`.
+    pub(crate) async fn admit_held(
+        &self,
+        sender: &Sender,
+        id: &[u8],
+        patience: Duration,
+    ) -> Result<Pass, Error> {
         self.admission
-            .admit(sender.as_str(), id)
+            .admit_due(sender.as_str(), id, patience)
+            .await
             .map_err(|refusal| self.refused(refusal))
     }
 

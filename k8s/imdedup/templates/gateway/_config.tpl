@@ -18,6 +18,7 @@ IMDEDUP_MAX_CONNECTIONS_PER_USER: {{ .maxConnectionsPerUser | int64 | quote }}
 IMDEDUP_USER_SENDS_PER_SECOND: {{ .userSendsPerSecond | int64 | quote }}
 IMDEDUP_USER_SEND_BURST: {{ .userSendBurst | int64 | quote }}
 IMDEDUP_MAX_SENDS_IN_FLIGHT: {{ .maxSendsInFlight | int64 | quote }}
+IMDEDUP_MAX_HELD_BYTES: {{ .maxHeldBytes | int64 | quote }}
 IMDEDUP_MAX_HISTORY_PAGE_BYTES: {{ .maxHistoryPageBytes | int64 | quote }}
 IMDEDUP_MAX_PULLS_PER_CONNECTION: {{ .maxPullsPerConnection | int64 | quote }}
 {{- end }}
