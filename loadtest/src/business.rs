@@ -28,12 +28,12 @@ use imdedup_client::{
     business::{BusinessHttp, RetryPolicy},
 };
 use imdedup_cluster::{ClusterOptions, LocalCluster};
-use imdedup_core::{secret::Secret, token::TokenKey};
 use imdedup_domain::{
     clock::{Clock, ManualClock, SystemClock},
     model::{ClientMsgId, IdempotencyKey, Sender},
 };
 use imdedup_gateway::authz::{Authorizer, DirectConversations};
+use imdedup_runtime::{secret::Secret, token::TokenKey};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::Serialize;
 use tokio::time::Instant;

@@ -6,7 +6,8 @@
 use std::time::Duration;
 
 use anyhow::Context;
-use imdedup_core::{metrics::sum_samples, process::ProcessStats};
+use imdedup_runtime::process::ProcessStats;
+use imdedup_testkit::prom::sum_samples;
 use serde::Serialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 

@@ -4,7 +4,6 @@ use std::{path::PathBuf, time::Duration};
 
 use clap::{Args, Parser, Subcommand};
 use imdedup_client::Encoding;
-use imdedup_core::secret::Secret;
 use imdedup_loadtest::{
     LoadConfig,
     cpu::AdminTarget,
@@ -13,6 +12,7 @@ use imdedup_loadtest::{
     run::Target,
     search::{Search, Step},
 };
+use imdedup_runtime::secret::Secret;
 
 // Many small allocations on many threads: glibc's arenas contend under load.
 #[global_allocator]

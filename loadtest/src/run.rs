@@ -17,12 +17,12 @@ use anyhow::{Context, bail};
 use futures_util::StreamExt;
 use imdedup_client::{Client, Encoding, HistoryMessage};
 use imdedup_cluster::{ClusterOptions, LocalCluster};
-use imdedup_core::{secret::Secret, token::TokenKey};
 use imdedup_domain::{
     clock::{Clock, ManualClock, SystemClock},
     model::Sender,
 };
 use imdedup_gateway::authz::{Authorizer, DirectConversations, GroupsFile, groups::Groups};
+use imdedup_runtime::{secret::Secret, token::TokenKey};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;

@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use imdedup_client::Encoding;
-use imdedup_core::secret::Secret;
 use imdedup_loadtest::{LoadConfig, phone::ResendPolicy, run, run::Target};
+use imdedup_runtime::secret::Secret;
 
 /// The runs below drive a cluster at 2,000 messages a second on a small
 /// machine, with resend timers scaled to milliseconds: one at a time, so

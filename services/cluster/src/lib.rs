@@ -10,14 +10,6 @@ pub mod without_dedup;
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::Context;
-use imdedup_core::{
-    admin::{Readiness, serve_admin},
-    metrics::{Registry, shard_registry},
-    remote_store::RemoteStore,
-    server::ServeOptions,
-    tls::{InternalTls, names},
-    token::{TokenKey, TokenVerifier},
-};
 use imdedup_domain::window::RecentWindow;
 use imdedup_domain::{
     clock::SharedClock,
@@ -27,9 +19,17 @@ use imdedup_domain::{
 };
 use imdedup_gateway::metrics::GatewayMetrics;
 use imdedup_gateway::{Gateway, GatewayConfig, authz::Authorizer, limits::Limits};
+use imdedup_hops::storage::RemoteStore;
 use imdedup_ingest::metrics::IngestMetrics;
 use imdedup_ingest::{
     Dedup, DedupCounts, MemoryWindow, MemoryWindowOptions, RedisWindow, RedisWindowOptions,
+};
+use imdedup_runtime::{
+    admin::{Readiness, serve_admin},
+    metrics::{Registry, shard_registry},
+    server::ServeOptions,
+    tls::{InternalTls, names},
+    token::{TokenKey, TokenVerifier},
 };
 use imdedup_storage::metrics::StoreMetrics;
 use imdedup_storage::{ScyllaOptions, ScyllaStore, SqliteOptions, SqliteStore};
@@ -156,7 +156,7 @@ struct Admin {
 /// Serve `registry` on a fresh loopback port, ready at once.
 async fn start_admin(role: String, mut registry: Registry) -> anyhow::Result<Admin> {
     // One process here: every service shows the same process figures.
-    imdedup_core::process::register(&mut registry);
+    imdedup_runtime::process::register(&mut registry);
     let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
     let addr = listener.local_addr()?;
     let readiness = Readiness::new();

@@ -7,11 +7,11 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 
 use imdedup_client::{Client, Encoding, ErrorReply};
 use imdedup_cluster::{ClusterOptions, LocalCluster};
-use imdedup_core::tls::InternalTls;
 use imdedup_domain::clock::ManualClock;
 use imdedup_gateway::authz::{
     Authorizer, GroupsFile, MembershipService, ServiceOptions, service::serve_groups,
 };
+use imdedup_runtime::tls::InternalTls;
 use tokio_util::sync::CancellationToken;
 
 mod common;

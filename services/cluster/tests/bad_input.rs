@@ -152,7 +152,8 @@ async fn bad_missing_and_expired_tokens_are_refused_at_connect() {
     assert!(body.contains("\"retryable\":false"), "{body}");
 
     // Signed with another secret.
-    let other = imdedup_core::token::TokenKey::new("some-other-secret-value-of-32-bytes!").unwrap();
+    let other =
+        imdedup_runtime::token::TokenKey::new("some-other-secret-value-of-32-bytes!").unwrap();
     let forged = other.mint(
         &imdedup_domain::model::Sender::parse("ana").unwrap(),
         u64::MAX / 2,

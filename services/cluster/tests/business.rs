@@ -370,7 +370,7 @@ async fn only_service_tokens_in_scope_and_members_get_through() {
         .unwrap()
         .unwrap_err();
     assert_eq!(err.code, "unauthenticated");
-    let forged = imdedup_core::token::TokenKey::new(imdedup_cluster::DEV_TOKEN_SECRET)
+    let forged = imdedup_runtime::token::TokenKey::new(imdedup_cluster::DEV_TOKEN_SECRET)
         .unwrap()
         .mint_service(
             &imdedup_domain::model::Sender::parse("orders").unwrap(),

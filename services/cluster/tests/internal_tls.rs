@@ -14,16 +14,16 @@ use std::{
 
 use imdedup_client::Encoding;
 use imdedup_cluster::{ClusterOptions, LocalCluster};
-use imdedup_core::{
-    remote_store::RemoteStore,
-    server::ServeOptions,
-    tls::{InternalTls, TlsFiles, names},
-};
 use imdedup_domain::{
     ErrorKind,
     clock::SystemClock,
     model::{Body, ClientMsgId, ConversationId, MessageKey, NewMessage, Sender},
     store::{Insert, MessageStore},
+};
+use imdedup_hops::storage::RemoteStore;
+use imdedup_runtime::{
+    server::ServeOptions,
+    tls::{InternalTls, TlsFiles, names},
 };
 use imdedup_storage::{SqliteOptions, SqliteStore};
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
@@ -235,7 +235,7 @@ async fn certificates_rotate_without_a_restart() {
     new.issue(&server_dir, &[names::STORAGE, "127.0.0.1"], 10);
     new.issue(&client_dir, &[names::INGEST], 10);
     // A change is noticed within a second, at the next handshake.
-    tokio::time::sleep(imdedup_core::watched::RECHECK + Duration::from_millis(200)).await;
+    tokio::time::sleep(imdedup_runtime::watched::RECHECK + Duration::from_millis(200)).await;
 
     // New connections (a new channel) use the new files on both sides.
     client(&storage.url, &client_tls)

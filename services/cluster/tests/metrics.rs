@@ -5,7 +5,7 @@ mod common;
 
 use common::{Kind, http_get as get, start};
 use imdedup_client::Encoding;
-use imdedup_core::metrics::sum_samples;
+use imdedup_testkit::prom::sum_samples;
 
 async fn every_service_exposes_what_the_sends_did(kind: Kind) {
     let Some(h) = start(kind).await else { return };

@@ -2,7 +2,7 @@
 //! can go wrong, and the two backends' contracts. No networking, gRPC,
 //! HTTP, TLS or telemetry crate is a dependency of this one; the wire
 //! (generated types, JSON frames, the conversions and the error codec) is
-//! `imdedup-proto`'s, and the process runtime is `imdedup-core`'s.
+//! `imdedup-proto`'s, and the process runtime is `imdedup-runtime`'s.
 //!
 //! - [`model`]: validated types (sender, client message ID, conversation,
 //!   body) and what storage and ACKs carry;
@@ -12,9 +12,11 @@
 //!   its unique key and the recent-ID window in front of it;
 //! - [`routing`]: which ingest shard owns a conversation, and the stable hash
 //!   behind it;
+//! - [`direct`]: the naming rule of direct conversations (`dm:ana:ben`);
 //! - [`clock`]: time that tests can move by hand.
 
 pub mod clock;
+pub mod direct;
 pub mod error;
 pub mod model;
 pub mod routing;

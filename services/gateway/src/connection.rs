@@ -9,12 +9,12 @@ use std::{
 
 use axum::extract::ws::{CloseFrame, Message, WebSocket, close_code};
 use futures_util::{SinkExt, StreamExt};
-use imdedup_core::metrics::GaugeGuard;
 use imdedup_domain::{
     Error, ErrorKind,
     model::{Ack, ClientMsgId, ConversationId, HistoryQuery, Sender, StoredMessage},
 };
 use imdedup_proto::convert;
+use imdedup_runtime::metrics::GaugeGuard;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
@@ -302,9 +302,8 @@ impl Reply {
             Err(error) => Outbound::Error { to, error },
         };
         let reply = message(frames::encode(self.encoding, reply));
-        // Counted as answered once the reply is ready to go: the queue to
-        // the socket never holds more than the in-flight limit, so
-        // enqueueing does not wait.
+        // Counted as answered once the reply is ready to go; enqueueing
+        // waits only while the socket's writer is behind.
         drop(in_flight);
         self.gateway
             .metrics()
@@ -487,7 +486,7 @@ fn message(encoded: Encoded) -> Message {
 
 /// One send is one trace, and this span is its root: the phone carries no
 /// trace context. Kind server (the gateway answers the phone); the hops to
-/// ingest and storage continue it (see `imdedup_core::telemetry`).
+/// ingest and storage continue it (see `imdedup_runtime::telemetry`).
 #[tracing::instrument(
     name = "imdedup.send",
     skip_all,

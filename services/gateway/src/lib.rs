@@ -34,7 +34,6 @@ use axum::{
     routing::{get, post},
 };
 use frames::SendCmd;
-use imdedup_core::{remote_store::RemoteStore, tls::InternalTls, token::TokenVerifier};
 use imdedup_domain::{
     Error,
     clock::SharedClock,
@@ -43,6 +42,8 @@ use imdedup_domain::{
     routing::ShardMap,
     store::MessageStore,
 };
+use imdedup_hops::storage::RemoteStore;
+use imdedup_runtime::{tls::InternalTls, token::TokenVerifier};
 use limits::{Limits, SendRate, UserConnections};
 use listener::{Admission as ConnectionAdmission, GuardedListener};
 use metrics::GatewayMetrics;

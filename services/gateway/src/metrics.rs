@@ -1,14 +1,14 @@
 //! The gateway's metrics (`imdedup_gateway_*`): names, types and labels
 //! are a contract with the dashboards and alert rules (see
-//! `imdedup_core::metrics`).
+//! `imdedup_runtime::metrics`).
 
 use std::time::Duration;
 
-use imdedup_core::metrics::{
+use imdedup_domain::{ErrorKind, model::Outcome};
+use imdedup_runtime::metrics::{
     CodeLabels, GaugeGuard, OUTCOMES, OutcomeLabels, ReasonLabels, Registry, duration_histogram,
     outcome_label,
 };
-use imdedup_domain::{ErrorKind, model::Outcome};
 use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
@@ -25,7 +25,7 @@ struct ShardLabels {
 /// unique key) recognised it. The gateway's sends counter only.
 pub const DUPLICATE_BUSINESS_KEY: &str = "duplicate_business_key";
 
-imdedup_core::opaque_debug!(GatewayMetrics);
+imdedup_runtime::opaque_debug!(GatewayMetrics);
 
 /// The gateway's metrics (`imdedup_gateway_*`).
 #[derive(Clone)]
@@ -253,7 +253,8 @@ impl GatewayMetrics {
 
 #[cfg(test)]
 mod tests {
-    use imdedup_core::metrics::{render, sum_samples};
+    use imdedup_runtime::metrics::render;
+    use imdedup_testkit::prom::sum_samples;
 
     use super::*;
 

@@ -1,6 +1,6 @@
 //! Property tests of the gateway's client frames (`frames::decode` and
 //! `frames::encode`, JSON text and protobuf binary) and of the names of
-//! direct conversations (`authz::direct`, and the `Authorizer` deciding on
+//! direct conversations (`imdedup_domain::direct`, and the `Authorizer` deciding on
 //! them).
 //!
 //! - Any bytes, in either encoding, decode without a panic; what is refused

@@ -9,7 +9,7 @@ use imdedup_gateway::authz::{
     Authorizer, GroupsFile, MembershipService, ServiceOptions, service::serve_groups,
 };
 
-use imdedup_core::tls::{InternalTls, names};
+use imdedup_runtime::tls::{InternalTls, names};
 
 use crate::services::duration;
 use crate::tls::{InternalTlsArgs, serve_options};

@@ -6,8 +6,8 @@ use std::{path::PathBuf, time::Duration};
 use crate::services::duration;
 use clap::Args;
 use imdedup_cluster::{Backends, ClusterOptions};
-use imdedup_core::secret::Secret;
 use imdedup_ingest::{MemoryWindowOptions, RedisWindowOptions, window::DEFAULT_CLAIM_TTL};
+use imdedup_runtime::secret::Secret;
 use imdedup_storage::{
     ScyllaOptions,
     scylla::{parse_consistency, parse_serial_consistency},

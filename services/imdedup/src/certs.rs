@@ -9,7 +9,7 @@ use std::{
 
 use anyhow::Context;
 use clap::Args;
-use imdedup_core::tls::names;
+use imdedup_runtime::tls::names;
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 
 #[derive(Debug, Args)]

@@ -15,8 +15,8 @@ use clap::Args;
 use imdedup_cluster::{
     Backends, ClusterOptions, DEV_SERVICE_TOKEN_SECRET, DEV_TOKEN_SECRET, LocalCluster,
 };
-use imdedup_core::secret::redact_url;
 use imdedup_domain::clock::SystemClock;
+use imdedup_runtime::secret::redact_url;
 
 use crate::{authz::AuthzMode, backends::LocalBackendArgs};
 use imdedup_gateway::authz::{Authorizer, GroupsFile};

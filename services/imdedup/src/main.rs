@@ -12,7 +12,7 @@ mod shutdown;
 mod tls;
 
 use clap::{Parser, Subcommand};
-use imdedup_core::telemetry;
+use imdedup_runtime::telemetry;
 
 // Many small allocations on many threads: glibc's arenas contend under load.
 #[global_allocator]

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use imdedup_core::{
+use imdedup_runtime::{
     server::ServeOptions,
     tls::{InternalTls, TlsFiles},
 };

@@ -49,15 +49,7 @@ fn the_demo_shows_no_repeats_no_losses_and_the_late_resend_caught_by_the_unique_
 
 #[test]
 fn the_demo_on_redis_and_the_cql_database_gives_the_same_verdict() {
-    let (Ok(redis), Ok(scylla)) = (
-        std::env::var("IMDEDUP_TEST_REDIS_URL"),
-        std::env::var("IMDEDUP_TEST_SCYLLA"),
-    ) else {
-        assert_eq!(
-            std::env::var("IMDEDUP_SKIP_REAL_BACKENDS").as_deref(),
-            Ok("1"),
-            "IMDEDUP_TEST_REDIS_URL / IMDEDUP_TEST_SCYLLA are not set: run deploy/local/test.sh"
-        );
+    let Some((redis, scylla)) = imdedup_testkit::backends::redis_and_scylla() else {
         return;
     };
     check_demo(&[

@@ -488,7 +488,8 @@ mod tests {
 
     #[tokio::test]
     async fn decisions_show_in_the_shard_metrics() {
-        use imdedup_core::metrics::{Registry, render, shard_registry, sum_samples};
+        use imdedup_runtime::metrics::{Registry, render, shard_registry};
+        use imdedup_testkit::prom::sum_samples;
 
         let mut registry = Registry::default();
         let metrics = IngestMetrics::register(shard_registry(&mut registry, "ingest-7"));
@@ -562,7 +563,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_window_that_is_down_counts_as_bypassed() {
-        use imdedup_core::metrics::{Registry, render, sum_samples};
+        use imdedup_runtime::metrics::{Registry, render};
+        use imdedup_testkit::prom::sum_samples;
 
         let mut registry = Registry::default();
         let metrics = IngestMetrics::register(&mut registry);

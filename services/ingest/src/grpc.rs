@@ -7,14 +7,15 @@ use std::{
 };
 
 use futures_util::{Stream, stream::FuturesUnordered};
-use imdedup_core::{server::MAX_BATCH_MESSAGE_BYTES, stream_hop, telemetry};
 use imdedup_domain::Error;
+use imdedup_hops::{MAX_BATCH_MESSAGE_BYTES, stream};
 use imdedup_proto::convert;
 use imdedup_proto::v1::{
     self as pb,
     ingest_service_server::{IngestService, IngestServiceServer},
     send_response,
 };
+use imdedup_runtime::telemetry;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
@@ -146,7 +147,7 @@ impl IngestService for IngestGrpc {
     ) -> Result<Response<Self::SendStreamStream>, Status> {
         let dedup = Arc::clone(&self.dedup);
         let max_body_bytes = self.max_body_bytes;
-        let answers = stream_hop::answer_each(
+        let answers = stream::answer_each(
             request.into_inner(),
             STREAM_IN_FLIGHT,
             self.stop.clone(),

@@ -14,8 +14,8 @@ pub mod window;
 
 use std::sync::Arc;
 
-use imdedup_core::server::{ServeOptions, serve_grpc};
 use imdedup_proto::v1::ingest_service_server::SERVICE_NAME;
+use imdedup_runtime::server::{ServeOptions, serve_grpc};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::service::Routes;

@@ -1,21 +1,21 @@
 //! An ingest shard's metrics (`imdedup_ingest_*`, `imdedup_window_*` and
 //! its calls to storage): names, types and labels are a contract with the
-//! dashboards and alert rules (see `imdedup_core::metrics`).
+//! dashboards and alert rules (see `imdedup_runtime::metrics`).
 
 use std::time::Duration;
 
-use imdedup_core::metrics::{
+use imdedup_domain::{ErrorKind, model::Outcome};
+use imdedup_runtime::metrics::{
     CodeLabels, Durations, GaugeGuard, OUTCOMES, OutcomeLabels, ReasonLabels, Registry,
     duration_histogram, durations, outcome_label,
 };
-use imdedup_domain::{ErrorKind, model::Outcome};
 use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
     registry::Unit,
 };
 
-imdedup_core::opaque_debug!(IngestMetrics, WindowMetrics);
+imdedup_runtime::opaque_debug!(IngestMetrics, WindowMetrics);
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ResultLabels {
@@ -289,8 +289,9 @@ impl IngestMetrics {
 
 #[cfg(test)]
 mod tests {
-    use imdedup_core::metrics::shard_registry;
-    use imdedup_core::metrics::{render, sum_samples};
+    use imdedup_runtime::metrics::render;
+    use imdedup_runtime::metrics::shard_registry;
+    use imdedup_testkit::prom::sum_samples;
 
     use super::*;
 

@@ -131,7 +131,7 @@ impl std::fmt::Debug for RedisWindowOptions {
         let urls: Vec<String> = self
             .urls
             .iter()
-            .map(|u| imdedup_core::secret::redact_url(u))
+            .map(|u| imdedup_runtime::secret::redact_url(u))
             .collect();
         f.debug_struct("RedisWindowOptions")
             .field("urls", &urls)

@@ -1,6 +1,7 @@
 //! The recent-ID window contract, on the in-process window, a real Redis and
 //! a real 3-master Redis Cluster; and Redis killed in the middle of sending.
 
+use imdedup_testkit::backends::real;
 use std::{
     net::TcpListener,
     process::{Child, Command, Stdio},
@@ -85,16 +86,6 @@ async fn conforms(window: Arc<dyn RecentWindow>) {
 #[tokio::test]
 async fn memory_window_conforms() {
     conforms(Arc::new(MemoryWindow::new(MemoryWindowOptions::default()))).await;
-}
-
-fn real(var: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(v) => Some(v),
-        Err(_) if std::env::var("IMDEDUP_SKIP_REAL_BACKENDS").as_deref() == Ok("1") => None,
-        Err(_) => panic!(
-            "{var} is not set: run deploy/local/test.sh (IMDEDUP_SKIP_REAL_BACKENDS=1 skips)"
-        ),
-    }
 }
 
 #[tokio::test]

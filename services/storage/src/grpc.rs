@@ -3,17 +3,18 @@
 use std::{future::Future, pin::Pin, sync::Arc};
 
 use futures_util::{Stream, stream::FuturesUnordered};
-use imdedup_core::{server::MAX_BATCH_MESSAGE_BYTES, stream_hop, telemetry};
 use imdedup_domain::{
     Error,
     store::{Insert, MessageStore},
 };
+use imdedup_hops::{MAX_BATCH_MESSAGE_BYTES, stream};
 use imdedup_proto::convert;
 use imdedup_proto::status::to_status;
 use imdedup_proto::v1::{
     self as pb, insert_result,
     storage_service_server::{StorageService, StorageServiceServer},
 };
+use imdedup_runtime::telemetry;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
@@ -123,7 +124,7 @@ impl StorageService for StorageGrpc {
         request: Request<Streaming<pb::InsertOnceRequest>>,
     ) -> Result<Response<Self::InsertStreamStream>, Status> {
         let store = Arc::clone(&self.store);
-        let answers = stream_hop::answer_each(
+        let answers = stream::answer_each(
             request.into_inner(),
             STREAM_IN_FLIGHT,
             self.stop.clone(),

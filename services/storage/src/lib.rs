@@ -10,7 +10,7 @@ pub mod sqlite;
 
 use std::sync::Arc;
 
-use imdedup_core::server::{ServeOptions, serve_grpc};
+use imdedup_runtime::server::{ServeOptions, serve_grpc};
 
 use imdedup_domain::store::MessageStore;
 use imdedup_proto::v1::storage_service_server::SERVICE_NAME;

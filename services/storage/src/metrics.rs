@@ -1,10 +1,10 @@
 //! The database's metrics (`imdedup_store_*`): names, types and labels
 //! are a contract with the dashboards and alert rules (see
-//! `imdedup_core::metrics`).
+//! `imdedup_runtime::metrics`).
 
 use std::time::Duration;
 
-use imdedup_core::metrics::{Durations, Registry, durations};
+use imdedup_runtime::metrics::{Durations, Registry, durations};
 use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{counter::Counter, family::Family},
@@ -41,7 +41,7 @@ pub const DB_SQLITE: &str = "sqlite";
 /// `db_system` of the CQL store, ScyllaDB or Cassandra.
 pub const DB_CASSANDRA: &str = "cassandra";
 
-imdedup_core::opaque_debug!(StoreMetrics);
+imdedup_runtime::opaque_debug!(StoreMetrics);
 
 /// The database's metrics (`imdedup_store_*`), wherever the conditional
 /// insert runs.
@@ -192,7 +192,8 @@ impl StoreMetrics {
 
 #[cfg(test)]
 mod tests {
-    use imdedup_core::metrics::{render, sum_samples};
+    use imdedup_runtime::metrics::render;
+    use imdedup_testkit::prom::sum_samples;
 
     use super::*;
 

@@ -414,7 +414,8 @@ impl MessageStore for SqliteStore {
 
 #[cfg(test)]
 mod tests {
-    use imdedup_core::metrics::{Registry, render, sum_samples};
+    use imdedup_runtime::metrics::{Registry, render};
+    use imdedup_testkit::prom::sum_samples;
 
     use super::*;
 

@@ -20,24 +20,9 @@ pub enum Kind {
     Real,
 }
 
-/// The real backends' endpoints, from the environment that
-/// `deploy/local/test.sh` sets up. Missing endpoints fail the test, unless
-/// IMDEDUP_SKIP_REAL_BACKENDS=1 says to skip on purpose.
+/// The real backends' endpoints (see [`imdedup_testkit::backends`]).
 pub fn real_endpoints() -> Option<(String, String)> {
-    let redis = std::env::var("IMDEDUP_TEST_REDIS_URL").ok();
-    let scylla = std::env::var("IMDEDUP_TEST_SCYLLA").ok();
-    match (redis, scylla) {
-        (Some(redis), Some(scylla)) => Some((redis, scylla)),
-        _ if std::env::var("IMDEDUP_SKIP_REAL_BACKENDS").as_deref() == Ok("1") => {
-            eprintln!("skipping a real-backend test: IMDEDUP_SKIP_REAL_BACKENDS=1");
-            None
-        }
-        _ => panic!(
-            "IMDEDUP_TEST_REDIS_URL and IMDEDUP_TEST_SCYLLA are not set: run the tests with \
-             deploy/local/test.sh, or start the services with \
-             `eval \"$(deploy/local/services.sh up)\"` (IMDEDUP_SKIP_REAL_BACKENDS=1 skips them)"
-        ),
-    }
+    imdedup_testkit::backends::redis_and_scylla()
 }
 
 /// The group conversations the tests use besides direct ones (`dm:a:b`),
@@ -297,5 +282,5 @@ pub async fn metric(
         .into_iter()
         .find_map(|(r, addr)| (r == role).then_some(addr))
         .expect("a service with that role");
-    imdedup_core::metrics::sum_samples(&http_get(addr, "/metrics").await.body, name, labels)
+    imdedup_testkit::prom::sum_samples(&http_get(addr, "/metrics").await.body, name, labels)
 }

@@ -16,11 +16,11 @@ use std::{
 };
 
 use async_trait::async_trait;
-use imdedup_core::watched::WatchedFile;
 use imdedup_domain::{
     Error,
     model::{ConversationId, Sender},
 };
+use imdedup_runtime::watched::WatchedFile;
 
 use super::{Membership, direct};
 

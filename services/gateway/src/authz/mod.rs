@@ -2,13 +2,13 @@
 //! send or a history pull goes any further.
 //!
 //! Direct conversations name their two members (`dm:ana:ben`, sorted), so
-//! they are decided without a lookup ([`direct`]). Every other conversation
+//! they are decided without a lookup (`imdedup_domain::direct`, the naming
+//! rule). Every other conversation
 //! is a group whose members come from a [`Membership`] source: a groups file
 //! ([`groups`]) for small deployments and tests, or the deployer's
 //! membership service ([`service`]). A refusal is final and says nothing
 //! about whether the conversation exists.
 
-pub mod direct;
 pub mod groups;
 pub mod service;
 
@@ -20,8 +20,8 @@ use imdedup_domain::{
     model::{ConversationId, Sender},
 };
 
-pub use direct::DirectConversations;
 pub use groups::GroupsFile;
+pub use imdedup_domain::direct::{self, DirectConversations};
 pub use service::{MembershipService, ServiceOptions};
 
 /// A source of group membership.

@@ -13,7 +13,6 @@
 use std::{sync::Arc, time::Duration};
 
 use async_trait::async_trait;
-use imdedup_core::tls::{self, InternalTls};
 use imdedup_domain::{
     Error,
     model::{ConversationId, Sender},
@@ -23,6 +22,7 @@ use imdedup_proto::v1::{
     membership_service_client::MembershipServiceClient,
     membership_service_server::{self, MembershipServiceServer},
 };
+use imdedup_runtime::tls::{self, InternalTls};
 use moka::{Expiry, future::Cache};
 use tonic::transport::{Channel, Endpoint};
 
@@ -178,10 +178,10 @@ impl membership_service_server::MembershipService for GroupsServer {
 pub async fn serve_groups(
     listener: tokio::net::TcpListener,
     groups: GroupsFile,
-    options: imdedup_core::server::ServeOptions,
+    options: imdedup_runtime::server::ServeOptions,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let routes = tonic::service::Routes::new(GroupsServer::new(groups).into_server());
-    imdedup_core::server::serve_grpc(listener, &[SERVICE_NAME], routes, 1024, options, shutdown)
+    imdedup_runtime::server::serve_grpc(listener, &[SERVICE_NAME], routes, 1024, options, shutdown)
         .await
 }

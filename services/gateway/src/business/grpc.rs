@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use imdedup_core::server::ServeOptions;
+use imdedup_runtime::server::ServeOptions;
 
 use imdedup_domain::Error;
 use imdedup_proto::v1::{
@@ -134,7 +134,7 @@ pub async fn serve(
         .into_axum_router()
         .layer(tower::util::MapResponseLayer::new(too_large_is_invalid))
         .into();
-    imdedup_core::server::serve_grpc(
+    imdedup_runtime::server::serve_grpc(
         listener,
         &[SERVICE_NAME],
         routes,

@@ -5,13 +5,13 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::Context;
 use clap::Args;
-use imdedup_core::{
+use imdedup_domain::{clock::SystemClock, model::DEFAULT_MAX_BODY_BYTES, routing::ShardMap};
+use imdedup_gateway::{Gateway, GatewayConfig};
+use imdedup_runtime::{
     metrics::Registry,
     secret::Secret,
     token::{Jwks, TokenKey, TokenPolicy, TokenVerifier},
 };
-use imdedup_domain::{clock::SystemClock, model::DEFAULT_MAX_BODY_BYTES, routing::ShardMap};
-use imdedup_gateway::{Gateway, GatewayConfig};
 
 use crate::authz::AuthzArgs;
 use crate::tls::InternalTlsArgs;
@@ -236,7 +236,7 @@ pub async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
     }
     // Business systems bring their own tokens: the port is served like the
     // phones' (TLS, if any, ends in front of the gateway).
-    let business_options = imdedup_core::server::ServeOptions {
+    let business_options = imdedup_runtime::server::ServeOptions {
         reflection: args.business.grpc_reflection,
         tls: None,
     };

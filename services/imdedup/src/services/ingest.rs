@@ -4,25 +4,23 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 
 use anyhow::Context;
 use clap::Args;
-use imdedup_core::{
-    metrics::{Registry, shard_registry},
-    remote_store::RemoteStore,
-};
 use imdedup_domain::window::RecentWindow;
 use imdedup_domain::{
     model::DEFAULT_MAX_BODY_BYTES,
     routing::{Ownership, ShardMap},
     store::MessageStore,
 };
+use imdedup_hops::storage::RemoteStore;
 use imdedup_ingest::{
     ConnectingWindow, Dedup, MemoryWindow, MemoryWindowOptions, RedisWindow, RedisWindowOptions,
     db_limit::DbLimitOptions,
 };
+use imdedup_runtime::metrics::{Registry, shard_registry};
 use imdedup_storage::{ScyllaOptions, ScyllaStore};
 
 use crate::backends::{RedisArgs, ScyllaArgs};
 use crate::tls::{InternalTlsArgs, serve_options};
-use imdedup_core::tls::{InternalTls, names};
+use imdedup_runtime::tls::{InternalTls, names};
 
 use super::*;
 use imdedup_ingest::metrics::IngestMetrics;
@@ -122,7 +120,7 @@ pub struct IngestArgs {
 pub(super) struct IngestPlan {
     shard: String,
     tls: InternalTls,
-    serving: imdedup_core::server::ServeOptions,
+    serving: imdedup_runtime::server::ServeOptions,
     pub(super) ownership: Option<Ownership>,
     scylla: Option<ScyllaOptions>,
     redis: Option<RedisWindowOptions>,

@@ -14,7 +14,7 @@ pub use token::{TokenArgs, token};
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
 use anyhow::Context;
-use imdedup_core::{
+use imdedup_runtime::{
     admin::{Readiness, serve_admin},
     metrics::Registry,
 };
@@ -68,7 +68,7 @@ where
 {
     let admin_listener = bind(admin_listen).await?;
     let mut registry = registry;
-    imdedup_core::process::register(&mut registry);
+    imdedup_runtime::process::register(&mut registry);
     let readiness = Readiness::new();
     let admin_stop = CancellationToken::new();
     let admin = tokio::spawn(serve_admin(
@@ -99,11 +99,11 @@ mod tests {
 
     use super::{gateway::*, ingest::*, storage::*, token::*, *};
     use clap::Args;
-    use imdedup_core::token::{TokenKey, TokenVerifier};
     use imdedup_domain::{
         clock::{Clock, SystemClock},
         model::{DEFAULT_MAX_BODY_BYTES, Sender},
     };
+    use imdedup_runtime::token::{TokenKey, TokenVerifier};
 
     #[derive(Parser)]
     struct Wrap<T: Args> {

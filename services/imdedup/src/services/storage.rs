@@ -5,14 +5,14 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::Context;
 use clap::Args;
-use imdedup_core::metrics::Registry;
 use imdedup_domain::store::MessageStore;
+use imdedup_runtime::metrics::Registry;
 use imdedup_storage::metrics::StoreMetrics;
 use imdedup_storage::{ScyllaOptions, ScyllaStore, SqliteOptions, SqliteStore};
 
 use crate::backends::ScyllaArgs;
 use crate::tls::{InternalTlsArgs, serve_options};
-use imdedup_core::tls::names;
+use imdedup_runtime::tls::names;
 
 use super::*;
 

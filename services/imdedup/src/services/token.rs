@@ -4,11 +4,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use imdedup_core::{secret::Secret, token::TokenKey};
 use imdedup_domain::{
     clock::{Clock, SystemClock},
     model::Sender,
 };
+use imdedup_runtime::{secret::Secret, token::TokenKey};
 
 use super::*;
 

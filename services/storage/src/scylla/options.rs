@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use imdedup_core::secret::Secret;
+use imdedup_runtime::secret::Secret;
 
 use crate::metrics::StoreMetrics;
 

@@ -3,7 +3,7 @@
 
 use std::{collections::BTreeSet, sync::Arc, time::Duration};
 
-use imdedup_core::secret::Secret;
+use imdedup_runtime::secret::Secret;
 
 use imdedup_domain::Error;
 use scylla::{

@@ -26,14 +26,9 @@ pub fn history(conversation: &str, after_seq: u64) -> HistoryQuery {
     .unwrap()
 }
 
+/// The CQL node (see [`imdedup_testkit::backends`]).
 pub fn scylla_endpoint() -> Option<String> {
-    match std::env::var("IMDEDUP_TEST_SCYLLA") {
-        Ok(v) => Some(v),
-        Err(_) if std::env::var("IMDEDUP_SKIP_REAL_BACKENDS").as_deref() == Ok("1") => None,
-        Err(_) => panic!(
-            "IMDEDUP_TEST_SCYLLA is not set: run deploy/local/test.sh (IMDEDUP_SKIP_REAL_BACKENDS=1 skips)"
-        ),
-    }
+    imdedup_testkit::backends::real(imdedup_testkit::backends::SCYLLA)
 }
 
 /// Options for a keyspace of this test's own on the local CQL node.

@@ -17,8 +17,6 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use imdedup_domain::{Error, ErrorKind};
 
-pub use crate::server::MAX_BATCH_MESSAGE_BYTES;
-
 /// Limits of one [`Batcher`].
 #[derive(Debug, Clone, Copy)]
 pub struct BatchLimits {

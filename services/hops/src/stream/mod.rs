@@ -10,10 +10,11 @@
 //! layers) as a call per request or per batch does; a busy one still
 //! shares writes, as HTTP/2 coalesces the frames that queue up.
 //!
-//! The ingest's inserts into storage use it. The gateway's sends to the
-//! shards do not: a stream lets every send reach the shard at once, where
-//! under a slow database they wait and come back refused; the gateway's
-//! batches in flight (see [`crate::batch`]) hold them back instead.
+//! The ingest's inserts into storage use it ([`crate::storage`]). The
+//! gateway's sends to the shards do not: a stream lets every send reach the
+//! shard at once, where under a slow database they wait and come back
+//! refused; the gateway's batches in flight (see [`crate::batch`] and
+//! [`crate::ingest`]) hold them back instead.
 
 mod client;
 mod server;

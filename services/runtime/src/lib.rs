@@ -1,11 +1,9 @@
-//! The process runtime shared by every service, and the hops between them.
-//! The domain (validated types, error kinds, the store and window traits,
-//! routing, clock) is `imdedup-domain`'s; the wire (generated types, JSON
-//! frames, conversions, the error codec) is `imdedup-proto`'s.
+//! The process runtime shared by every service. The domain (validated
+//! types, error kinds, the store and window traits, routing, clock) is
+//! `imdedup-domain`'s; the wire (generated types, JSON frames, conversions,
+//! the error codec) is `imdedup-proto`'s; the hops between the services
+//! are `imdedup-hops`'.
 //!
-//! - [`remote_store`]: the storage service over gRPC, as a store;
-//! - [`batch`]: natural batching for the gateway's hop to the shards;
-//! - [`stream_hop`]: the ingest's hop to storage, one long-lived stream;
 //! - [`token`]: the JWTs that name a connection's sender, and their
 //!   verification (HS256 secret or JWKS public keys);
 //! - [`watched`]: configuration files read again when they change;
@@ -19,13 +17,10 @@
 //!   carried between services.
 
 pub mod admin;
-pub mod batch;
 pub mod metrics;
 pub mod process;
-pub mod remote_store;
 pub mod secret;
 pub mod server;
-pub mod stream_hop;
 pub mod telemetry;
 pub mod tls;
 pub mod token;

@@ -1,7 +1,7 @@
 //! The storage service, reached over gRPC, as a [`MessageStore`].
 //!
 //! Inserts travel over one long-lived `InsertStream` (see
-//! [`crate::stream_hop`]); lookups and history pages are single calls.
+//! [`crate::stream`]); lookups and history pages are single calls.
 //! A storage of an earlier version (in a rolling upgrade) answers
 //! `InsertStream` with UNIMPLEMENTED: inserts then go as single
 //! `InsertOnce` calls for [`UNARY_FOR`] before the stream is tried again.
@@ -14,10 +14,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::{
-    stream_hop::{HopAnswers, HopCall, HopLimits, ReceiverStream, StreamHop},
-    tls::{self, InternalTls},
-};
+use imdedup_runtime::tls::{self, InternalTls};
+
+use crate::stream::{HopAnswers, HopCall, HopLimits, ReceiverStream, StreamHop};
 
 use imdedup_domain::{
     Error, ErrorKind,
@@ -181,7 +180,7 @@ impl RemoteStore {
     fn request<T>(&self, message: T) -> tonic::Request<T> {
         let mut request = tonic::Request::new(message);
         request.set_timeout(self.timeout);
-        crate::telemetry::inject_metadata(request.metadata_mut());
+        imdedup_runtime::telemetry::inject_metadata(request.metadata_mut());
         request
     }
 }
@@ -190,7 +189,7 @@ impl RemoteStore {
 impl MessageStore for RemoteStore {
     async fn insert_once(&self, message: NewMessage) -> Result<Insert, Error> {
         let mut request = pb::InsertOnceRequest::from(message);
-        request.trace_context = crate::telemetry::trace_context();
+        request.trace_context = imdedup_runtime::telemetry::trace_context();
         let reply = self.insert(request).await?;
         let row = convert::stored_message(
             reply

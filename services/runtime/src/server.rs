@@ -14,11 +14,6 @@ use tonic_health::ServingStatus;
 
 use crate::telemetry::GrpcServerTraceLayer;
 
-/// Largest message a server decodes: a full batch (`SendBatch`,
-/// `InsertBatch`, 1,024 items) of the largest frames the gateway reads
-/// (256 KiB) and then some. Answers and streamed items are far smaller.
-pub const MAX_BATCH_MESSAGE_BYTES: usize = 80 << 20;
-
 /// How a gRPC server serves, besides what it serves.
 #[derive(Clone, Debug, Default)]
 pub struct ServeOptions {

@@ -1,4 +1,4 @@
-//! Property tests of the edge validation in `imdedup-core`: the validated
+//! Property tests of the edge validation in `imdedup-runtime`: the validated
 //! model types (`Sender`, `ConversationId`, `ClientMsgId`, `Body`,
 //! `HistoryQuery`, `MessageKey`) and token parsing and verification
 //! (`TokenKey`, `TokenVerifier`).
@@ -14,7 +14,6 @@
 use std::time::Duration;
 
 use base64::{Engine, engine::general_purpose::URL_SAFE_NO_PAD};
-use imdedup_core::token::{MIN_SECRET_BYTES, TokenKey, TokenPolicy, TokenVerifier};
 use imdedup_domain::{
     Error, ErrorKind,
     model::{
@@ -22,6 +21,7 @@ use imdedup_domain::{
         MAX_CONVERSATION_BYTES, MAX_HISTORY_LIMIT, MAX_SENDER_BYTES, MessageKey, Sender,
     },
 };
+use imdedup_runtime::token::{MIN_SECRET_BYTES, TokenKey, TokenPolicy, TokenVerifier};
 use jsonwebtoken::{Algorithm, EncodingKey, Header};
 use proptest::prelude::*;
 use serde_json::{Value, json};

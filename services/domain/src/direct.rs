@@ -3,7 +3,7 @@
 //! membership list, so no lookup is needed, and each pair of users has
 //! exactly one direct conversation.
 
-use imdedup_domain::{
+use crate::{
     Error,
     model::{ConversationId, Sender},
 };
@@ -55,7 +55,7 @@ impl DirectConversations {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use imdedup_domain::ErrorKind;
+    use crate::ErrorKind;
 
     fn parse(name: &str) -> Result<Option<(String, String)>, Error> {
         let conversation = ConversationId::parse(name).unwrap();
