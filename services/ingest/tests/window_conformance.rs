@@ -1,7 +1,11 @@
 //! The recent-ID window contract, on the in-process window, a real Redis and
 //! a real 3-master Redis Cluster; and Redis killed in the middle of sending.
 
-use imdedup_testkit::backends::real;
+use imdedup_testkit::{
+    backends::real,
+    conformance::window::{RECEIPT, conforms},
+    fixtures::{key, tag},
+};
 use std::{
     net::TcpListener,
     process::{Child, Command, Stdio},
@@ -10,78 +14,11 @@ use std::{
 };
 
 use imdedup_domain::{
-    model::{
-        Body, ClientMsgId, ConversationId, Fingerprint, MessageKey, NewMessage, Outcome, Receipt,
-        Remembered, Sender,
-    },
-    window::{Claim, ClaimToken, RecentWindow},
+    model::{Body, ConversationId, NewMessage, Outcome},
+    window::{Claim, RecentWindow},
 };
 use imdedup_ingest::{Dedup, MemoryWindow, MemoryWindowOptions, RedisWindow, RedisWindowOptions};
 use imdedup_storage::{SqliteOptions, SqliteStore};
-
-fn key(sender: &str, id: &str) -> MessageKey {
-    MessageKey {
-        sender: Sender::parse(sender).unwrap(),
-        client_msg_id: ClientMsgId::parse(id.as_bytes().to_vec()).unwrap(),
-    }
-}
-
-fn tag() -> String {
-    uuid::Uuid::new_v4().simple().to_string()[..12].to_owned()
-}
-
-const RECEIPT: Remembered = Remembered {
-    receipt: Receipt {
-        server_id: 9_000_000_001,
-        seq: 77,
-    },
-    fingerprint: Some(Fingerprint(0x5eed_cafe_f00d_1234)),
-};
-
-/// Claim, echo, in-flight, compare-and-delete: the same on every backend.
-async fn conforms(window: Arc<dyn RecentWindow>) {
-    let t = tag();
-    let m1 = key("ana", &format!("{t}-1"));
-    let Claim::Owned(token) = window.claim(&m1).await.unwrap() else {
-        panic!("the first copy owns the claim")
-    };
-    // A second copy while the first is in flight is told so, not "seen".
-    assert_eq!(window.claim(&m1).await.unwrap(), Claim::InFlight);
-    // Release by someone else's token does nothing; by the owner's, frees it.
-    window
-        .release(&m1, &ClaimToken("not-the-owner".into()))
-        .await
-        .unwrap();
-    assert_eq!(window.claim(&m1).await.unwrap(), Claim::InFlight);
-    window.release(&m1, &token).await.unwrap();
-    let Claim::Owned(token) = window.claim(&m1).await.unwrap() else {
-        panic!("a released claim can be taken again")
-    };
-    // After a successful insert the window echoes the receipt.
-    window.remember(&m1, &token, RECEIPT).await.unwrap();
-    assert_eq!(window.claim(&m1).await.unwrap(), Claim::Seen(RECEIPT));
-    // A stale release after remember never forgets the receipt.
-    window.release(&m1, &token).await.unwrap();
-    assert_eq!(window.claim(&m1).await.unwrap(), Claim::Seen(RECEIPT));
-
-    // Keys are (sender, id), injective.
-    for other in [
-        key("ben", &format!("{t}-1")),
-        key(&format!("ana:{t}-1"), "x"),
-    ] {
-        assert!(matches!(
-            window.claim(&other).await.unwrap(),
-            Claim::Owned(_)
-        ));
-    }
-    let a = key("a:b", &format!("c{t}"));
-    let b = key("a", &format!("b:c{t}"));
-    let Claim::Owned(ta) = window.claim(&a).await.unwrap() else {
-        panic!()
-    };
-    window.remember(&a, &ta, RECEIPT).await.unwrap();
-    assert!(matches!(window.claim(&b).await.unwrap(), Claim::Owned(_)));
-}
 
 #[tokio::test]
 async fn memory_window_conforms() {
