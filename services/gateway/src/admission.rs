@@ -205,11 +205,16 @@ impl Admission {
         let mut rng = rand::rng();
         self.lock()
             .admit(key, now, &self.options, &mut rng)
-            .map(|()| Pass {
-                admission: Arc::clone(self),
-                started: now,
-                completion: None,
-            })
+            .map(|()| self.pass(now))
+    }
+
+    /// The place just taken, for a send admitted at `started`.
+    fn pass(self: &Arc<Self>, started: Instant) -> Pass {
+        Pass {
+            admission: Arc::clone(self),
+            started,
+            completion: None,
+        }
     }
 
     /// An appointment for the send of (`sender`, `id`) even if there is
@@ -247,22 +252,15 @@ impl Admission {
             let room = self.room.notified();
             let now = Instant::now();
             if self.lock().admit_due(key) {
-                return Ok(Pass {
-                    admission: Arc::clone(self),
-                    started: now,
-                    completion: None,
-                });
+                return Ok(self.pass(now));
             }
             if tokio::time::timeout_at(deadline, room).await.is_err() {
                 let mut rng = rand::rng();
+                let now = Instant::now();
                 return self
                     .lock()
-                    .admit(key, Instant::now(), &self.options, &mut rng)
-                    .map(|()| Pass {
-                        admission: Arc::clone(self),
-                        started: Instant::now(),
-                        completion: None,
-                    });
+                    .admit(key, now, &self.options, &mut rng)
+                    .map(|()| self.pass(now));
             }
         }
     }
