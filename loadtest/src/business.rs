@@ -275,7 +275,7 @@ pub async fn run(config: BusinessConfig) -> anyhow::Result<RunResult> {
     let tokens: Vec<String> = (0..load.users)
         .map(|u| Ok(phone_key.mint(&Sender::parse(user_name(u))?, exp)))
         .collect::<anyhow::Result<_>>()?;
-    let phones = Arc::new(connect_all(&url, &tokens, false, load.encoding, load.queue).await?);
+    let phones = Arc::new(connect_all(&url, &tokens, false, load.encoding, load.manners()).await?);
     let systems: Vec<Arc<BusinessHttp>> = (0..config.systems)
         .map(|k| {
             let account = system_name(k);

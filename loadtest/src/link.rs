@@ -5,13 +5,28 @@ use std::sync::Arc;
 
 use imdedup_client::{Client, ClientError, Encoding};
 
+/// How a phone's client treats a gateway past its capacity.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Manners {
+    /// Sends ask the gateway to hold them when it is full (`queued`).
+    pub queue: bool,
+    /// Client-side adaptive throttling factor (0: off); see
+    /// [`Client::with_throttle`].
+    pub throttle: f64,
+}
+
+impl Manners {
+    fn apply(self, client: Client) -> Client {
+        client.with_queue(self.queue).with_throttle(self.throttle)
+    }
+}
+
 /// A reconnecting connection to the gateway.
 pub struct Link {
     url: String,
     token: String,
     encoding: Encoding,
-    /// Sends ask the gateway to hold them when it is full.
-    queue: bool,
+    manners: Manners,
     /// The connection in use and its number (1 for the first).
     current: tokio::sync::Mutex<(u64, Arc<Client>)>,
 }
@@ -21,16 +36,14 @@ impl Link {
         url: &str,
         token: &str,
         encoding: Encoding,
-        queue: bool,
+        manners: Manners,
     ) -> Result<Self, ClientError> {
-        let client = Client::connect(url, token, encoding)
-            .await?
-            .with_queue(queue);
+        let client = manners.apply(Client::connect(url, token, encoding).await?);
         Ok(Self {
             url: url.to_owned(),
             token: token.to_owned(),
             encoding,
-            queue,
+            manners,
             current: tokio::sync::Mutex::new((1, Arc::new(client))),
         })
     }
@@ -40,9 +53,9 @@ impl Link {
     pub async fn client(&self) -> Result<(u64, Arc<Client>), ClientError> {
         let mut current = self.current.lock().await;
         if current.1.is_closed() {
-            let client = Client::connect(&self.url, &self.token, self.encoding)
-                .await?
-                .with_queue(self.queue);
+            let client = self
+                .manners
+                .apply(Client::connect(&self.url, &self.token, self.encoding).await?);
             *current = (current.0 + 1, Arc::new(client));
         }
         Ok((current.0, Arc::clone(&current.1)))

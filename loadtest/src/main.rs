@@ -208,6 +208,12 @@ struct Common {
     /// that predate the `queued` answer do.
     #[arg(long)]
     no_queue: bool,
+    /// Client-side adaptive throttling factor (the Google SRE book's `K`):
+    /// a phone the gateway refuses (`overloaded`) holds back new sends
+    /// itself, so that the gateway reads about K times what it accepts.
+    /// 0 turns it off.
+    #[arg(long, default_value_t = 2.0)]
+    throttle: f64,
 }
 
 #[tokio::main]
@@ -464,6 +470,7 @@ fn load_config(name: &str, args: &Common, rate: Option<f64>) -> anyhow::Result<L
             Encoding::Json
         },
         queue: !args.no_queue,
+        throttle: args.throttle,
         admin: args.admin.clone(),
         schedule: Vec::new(),
     })

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use imdedup_client::AckReply;
+use imdedup_client::{AckReply, HELD_BACK};
 
 use crate::link::Link;
 use rand::Rng;
@@ -63,6 +63,9 @@ pub struct Trace {
     /// From the moment the message was due to the ACK reaching the phone.
     pub latency: Option<Duration>,
     pub tries: u32,
+    /// Sends the phone's client held back (nothing reached the gateway;
+    /// not counted in `tries`).
+    pub held_back: u32,
     pub sends_lost: u32,
     pub acks_lost: u32,
     /// Error codes of tries answered with an error frame.
@@ -162,9 +165,9 @@ pub async fn deliver(
     let mut step = 0;
     while let (Some(offset), Some(fate)) = (offsets.get(step), fates.get(step)) {
         wait_until(pushed_to.take().unwrap_or(due + *offset)).await;
-        trace.tries += 1;
-        counts.tried();
         if fate.send_lost {
+            trace.tries += 1;
+            counts.tried();
             trace.sends_lost += 1;
             step += 1;
             continue;
@@ -177,7 +180,20 @@ pub async fn deliver(
                 .map(|(frame, reply)| (connection, frame, reply)),
             Err(e) => Err(e),
         };
+        match &sent {
+            // Held back by the client: no try; the same step once the
+            // wait is over.
+            Ok((_, _, Err(e))) if e.code == HELD_BACK => {
+                trace.held_back += 1;
+                pushed_to = e.retry_after.map(|wait| Instant::now() + wait);
+            }
+            _ => {
+                trace.tries += 1;
+                counts.tried();
+            }
+        }
         match sent {
+            Ok((_, _, Err(e))) if e.code == HELD_BACK => {}
             Ok((connection, frame, Ok(ack))) => {
                 if ack.outcome == "stored" {
                     trace.stored_by_frame = Some((connection, frame, ack.seq));

@@ -54,6 +54,9 @@ pub struct Report {
     /// What the server answered, for every copy that reached it.
     pub outcomes: Outcomes,
     pub tries: u64,
+    /// Sends the phones' clients held back themselves (client-side
+    /// throttling): they never reached the gateway.
+    pub held_back: u64,
     pub resends: u64,
     pub sends_lost: u64,
     pub acks_lost: u64,
@@ -121,7 +124,7 @@ impl Report {
         let mut histogram =
             Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3).expect("valid histogram bounds");
         let mut outcomes = Outcomes::default();
-        let (mut tries, mut sends_lost, mut acks_lost) = (0, 0, 0);
+        let (mut tries, mut held_back, mut sends_lost, mut acks_lost) = (0, 0, 0, 0);
         for message in sent {
             let trace = &message.trace;
             if let Some(latency) = trace.latency {
@@ -131,6 +134,7 @@ impl Report {
                 histogram.saturating_record(micros);
             }
             tries += u64::from(trace.tries);
+            held_back += u64::from(trace.held_back);
             sends_lost += u64::from(trace.sends_lost);
             acks_lost += u64::from(trace.acks_lost);
             for ack in &trace.server_acks {
@@ -169,6 +173,7 @@ impl Report {
             },
             outcomes,
             tries,
+            held_back,
             resends: tries.saturating_sub(sent.len() as u64),
             sends_lost,
             acks_lost,
@@ -237,8 +242,8 @@ impl Report {
         );
         let _ = writeln!(
             out,
-            "  tries {}  resends {}  sends lost {}  ACKs lost {}",
-            self.tries, self.resends, self.sends_lost, self.acks_lost
+            "  tries {}  resends {}  sends lost {}  ACKs lost {}  held back by the phones {}",
+            self.tries, self.resends, self.sends_lost, self.acks_lost, self.held_back
         );
         let _ = writeln!(
             out,

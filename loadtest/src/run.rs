@@ -31,7 +31,7 @@ use crate::{
     audit::{Audit, Sent, audit},
     cpu::{self, AdminTarget, ProcessCpu},
     follow,
-    link::Link,
+    link::{Link, Manners},
     overload::{CpuSample, MessageFate, Phase, Recorded, schedule_dues},
     phone::{Fate, Outgoing, ResendPolicy, Trace, TryCounts, deliver, wait_until},
     report::Report,
@@ -94,6 +94,9 @@ pub struct LoadConfig {
     /// The phones ask the gateway to hold a send when it is full (a
     /// `queued` answer) instead of refusing it.
     pub queue: bool,
+    /// Client-side adaptive throttling factor (0: off): a phone the gateway
+    /// refuses holds back some new sends itself.
+    pub throttle: f64,
     /// Print a progress line every second.
     pub progress: bool,
     /// Follow every conversation with a cursor while the load runs (see
@@ -106,6 +109,16 @@ pub struct LoadConfig {
     /// for `messages` (the `overload` scenario); the run then also records
     /// tries, refusals and CPU per second.
     pub schedule: Vec<Phase>,
+}
+
+impl LoadConfig {
+    /// How the phones' clients treat a gateway past its capacity.
+    pub fn manners(&self) -> Manners {
+        Manners {
+            queue: self.queue,
+            throttle: self.throttle,
+        }
+    }
 }
 
 /// The result of a run.
@@ -168,14 +181,14 @@ pub(crate) async fn connect_all(
     tokens: &[String],
     second: bool,
     encoding: Encoding,
-    queue: bool,
+    manners: Manners,
 ) -> anyhow::Result<Vec<(Link, Option<Client>)>> {
     let mut connecting = tokio::task::JoinSet::new();
     for (u, token) in tokens.iter().enumerate() {
         let (url, token) = (url.to_owned(), token.clone());
         connecting.spawn(async move {
             let context = || format!("cannot connect phone {u} to {url}");
-            let first = Link::connect(&url, &token, encoding, queue)
+            let first = Link::connect(&url, &token, encoding, manners)
                 .await
                 .with_context(context)?;
             let other = if second {
@@ -350,7 +363,8 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<RunResult> {
     let tokens: Vec<String> = (0..config.users)
         .map(token)
         .collect::<anyhow::Result<_>>()?;
-    let phones = Arc::new(connect_all(&url, &tokens, second, config.encoding, config.queue).await?);
+    let phones =
+        Arc::new(connect_all(&url, &tokens, second, config.encoding, config.manners()).await?);
 
     let mut rng = StdRng::seed_from_u64(config.seed);
     let plan: Vec<Planned> = (0..config.messages)
@@ -461,7 +475,7 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<RunResult> {
         dues = (0..plan.len())
             .map(|_| Duration::from_secs_f64(rng.random_range(0.0..window)))
             .collect();
-        Arc::new(connect_all(&url, &tokens, second, config.encoding, config.queue).await?)
+        Arc::new(connect_all(&url, &tokens, second, config.encoding, config.manners()).await?)
     } else {
         phones
     };

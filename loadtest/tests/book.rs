@@ -38,6 +38,7 @@ fn book(messages: u64) -> LoadConfig {
         followers: true,
         encoding: Encoding::Json,
         queue: true,
+        throttle: 2.0,
         admin: Vec::new(),
         schedule: Vec::new(),
     }

@@ -9,7 +9,7 @@ use imdedup_client::Encoding;
 use imdedup_cluster::{ClusterOptions, LocalCluster};
 use imdedup_domain::clock::SystemClock;
 use imdedup_loadtest::{
-    link::Link,
+    link::{Link, Manners},
     phone::{Fate, Outgoing, ResendPolicy, TryCounts, deliver},
 };
 use tokio::time::Instant;
@@ -26,9 +26,18 @@ async fn a_phone_told_to_wait_keeps_its_schedule_and_its_message_is_stored() {
     let cluster = LocalCluster::start(options).await.unwrap();
     let token = cluster.token("ana").unwrap();
     let link = Arc::new(
-        Link::connect(&cluster.gateway_url(), &token, Encoding::Json, false)
-            .await
-            .unwrap(),
+        Link::connect(
+            &cluster.gateway_url(),
+            &token,
+            Encoding::Json,
+            // The phone's own pushback, not the client's throttle.
+            Manners {
+                queue: false,
+                throttle: 0.0,
+            },
+        )
+        .await
+        .unwrap(),
     );
 
     // The book's five steps played in 60 ms (0, 2, 6, 14, 30 ms): all of

@@ -7,6 +7,7 @@
 //! delivers what arrives; simulating a lost ACK is the caller's business.
 
 pub mod business;
+mod throttle;
 
 use std::{
     collections::{HashMap, VecDeque},
@@ -26,6 +27,8 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio_tungstenite::tungstenite::{
     self, Message, client::IntoClientRequest, http, protocol::WebSocketConfig,
 };
+
+use crate::throttle::Throttle;
 
 /// What one read from the socket asks for (see [`Client::connect`]).
 const READ_BUFFER_BYTES: usize = 8 * 1024;
@@ -48,6 +51,10 @@ pub enum ClientError {
     #[error("no reply within {0:?}")]
     Timeout(std::time::Duration),
 }
+
+/// The code of the error a send gets when this client held it back
+/// ([`Client::with_throttle`]): nothing was written to the gateway.
+pub const HELD_BACK: &str = "held_back";
 
 /// How long [`Client::send`] and [`Client::history`] wait for a reply.
 pub const DEFAULT_REPLY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
@@ -114,6 +121,12 @@ pub enum Reply {
 
 type Waiter = oneshot::Sender<Reply>;
 
+/// A send's answer: known at once (held back), or to come.
+enum Answer {
+    Now(ErrorReply),
+    Later(oneshot::Receiver<Reply>),
+}
+
 #[derive(Default)]
 struct Pending {
     sends: HashMap<Vec<u8>, VecDeque<Waiter>>,
@@ -123,6 +136,10 @@ struct Pending {
     gone: bool,
     /// `queued` answers received.
     queued: u64,
+    /// Client-side throttling, when asked for.
+    throttle: Option<Throttle>,
+    /// Sends held back by the throttle.
+    held_back: u64,
 }
 
 /// How the gateway closed a connection: the WebSocket close code (1001 going
@@ -267,6 +284,22 @@ impl Client {
         self.lock().queued
     }
 
+    /// Hold back some new sends while the gateway refuses much of what this
+    /// connection sends (`overloaded`): adaptive throttling with factor `k`
+    /// (2 is the usual value; 0 turns it off), see the `throttle` module.
+    /// A send held back is answered at once, without a frame, with the
+    /// retryable error [`HELD_BACK`] and a `retry_after` about as long as
+    /// the gateway's last `overloaded` answer asked for.
+    pub fn with_throttle(self, k: f64) -> Self {
+        self.lock().throttle = (k > 0.0).then(|| Throttle::new(k, std::time::Instant::now()));
+        self
+    }
+
+    /// Sends this client held back so far ([`Client::with_throttle`]).
+    pub fn held_back_sends(&self) -> u64 {
+        self.lock().held_back
+    }
+
     async fn wait(&self, rx: oneshot::Receiver<Reply>) -> Result<Reply, ClientError> {
         tokio::time::timeout(self.reply_timeout, rx)
             .await
@@ -287,7 +320,7 @@ impl Client {
 
     /// [`Client::send`], also telling the send frame's place among the send
     /// frames this connection wrote (1 for the first): the order the
-    /// gateway read them in.
+    /// gateway read them in; 0 for a send held back ([`HELD_BACK`]).
     pub async fn send_numbered(
         &self,
         id: &[u8],
@@ -317,13 +350,17 @@ impl Client {
     }
 
     /// Queue a send frame for the socket: its number on this connection,
-    /// and the receiver its reply arrives on.
+    /// and the receiver its reply arrives on; or the answer for a send the
+    /// throttle holds back (number 0).
     async fn enqueue_send(
         &self,
         id: &[u8],
         conversation: &str,
         body: &str,
-    ) -> Result<(u64, oneshot::Receiver<Reply>), ClientError> {
+    ) -> Result<(u64, Answer), ClientError> {
+        if let Some(held) = self.hold_back(id) {
+            return Ok((0, Answer::Now(held)));
+        }
         let frame = match self.encoding {
             Encoding::Json => {
                 let (id_text, id_b64) = json::id_to_json(id, false);
@@ -357,13 +394,37 @@ impl Client {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         *sent += 1;
         slot.send(frame);
-        Ok((*sent, rx))
+        Ok((*sent, Answer::Later(rx)))
+    }
+
+    /// Whether the throttle holds back this send of `id`, and its answer.
+    fn hold_back(&self, id: &[u8]) -> Option<ErrorReply> {
+        let mut pending = self.lock();
+        let throttle = pending.throttle.as_mut()?;
+        if !throttle.hold_back(std::time::Instant::now(), rand::random()) {
+            return None;
+        }
+        let wait = throttle.wait(rand::random_range(0.5..=1.5));
+        pending.held_back += 1;
+        Some(ErrorReply {
+            id: Some(id.to_vec()),
+            reference: None,
+            code: HELD_BACK.to_owned(),
+            retryable: true,
+            message: "held back by the client: the gateway is refusing much of what it reads; send again after retry_after".to_owned(),
+            original: None,
+            retry_after: Some(wait),
+        })
     }
 
     async fn send_reply(
         &self,
-        rx: oneshot::Receiver<Reply>,
+        answer: Answer,
     ) -> Result<Result<AckReply, ErrorReply>, ClientError> {
+        let rx = match answer {
+            Answer::Now(held) => return Ok(Err(held)),
+            Answer::Later(rx) => rx,
+        };
         match self.wait(rx).await? {
             Reply::Ack(ack) => Ok(Ok(ack)),
             Reply::Error(e) => Ok(Err(e)),
@@ -487,6 +548,17 @@ fn dispatch(pending: &Mutex<Pending>, reply: Reply) -> Option<Reply> {
         Reply::Queued { .. } => {
             pending.queued += 1;
             return None;
+        }
+        Reply::Error(ErrorReply {
+            id: Some(id),
+            code,
+            retry_after,
+            ..
+        }) if code == "overloaded" && pending.throttle.is_some() => {
+            if let Some(throttle) = pending.throttle.as_mut() {
+                throttle.refused(std::time::Instant::now(), *retry_after);
+            }
+            pending.sends.get_mut(id).and_then(VecDeque::pop_front)
         }
         Reply::Ack(AckReply { id, .. }) | Reply::Error(ErrorReply { id: Some(id), .. }) => {
             pending.sends.get_mut(id).and_then(VecDeque::pop_front)

@@ -7,7 +7,7 @@ mod common;
 use std::{num::NonZeroU32, sync::Arc, time::Duration};
 
 use futures_util::StreamExt;
-use imdedup_client::{Client, ClientError, Encoding};
+use imdedup_client::{Client, ClientError, Encoding, HELD_BACK};
 use imdedup_cluster::{ClusterOptions, LocalCluster};
 use imdedup_domain::clock::SystemClock;
 use tokio::io::AsyncReadExt;
@@ -74,6 +74,64 @@ async fn a_user_over_the_send_rate_is_told_when_to_come_back_and_nothing_is_stor
         .unwrap();
     assert!(!ack.duplicate);
     assert_eq!(limited(&cluster, "user_send_rate").await, 1.0);
+    cluster.shutdown().await;
+}
+
+/// What a phone's hundred quick sends met: (stored, refused by the
+/// gateway, held back by the phone's client).
+async fn hundred_sends(phone: &Client, prefix: &str) -> (u32, u32, u32) {
+    let (mut stored, mut refused, mut held_back) = (0, 0, 0);
+    for i in 0..100 {
+        let id = format!("{prefix}-{i}");
+        match phone.send(id.as_bytes(), DM, "quick").await.unwrap() {
+            Ok(_) => stored += 1,
+            Err(e) if e.code == HELD_BACK => {
+                assert!(e.retryable && e.retry_after.is_some(), "{e:?}");
+                held_back += 1;
+            }
+            Err(e) => {
+                assert_eq!(e.code, "overloaded", "{e:?}");
+                refused += 1;
+            }
+        }
+    }
+    (stored, refused, held_back)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_throttled_phone_holds_back_most_of_what_the_gateway_would_refuse() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = cluster(&dir, |l| {
+        l.user_sends_per_second = NonZeroU32::new(1).unwrap();
+        l.user_send_burst = NonZeroU32::new(1).unwrap();
+    })
+    .await;
+    // Two users, each over the rate with a hundred sends in well under a
+    // second: one phone without client-side throttling, one with it.
+    let plain = common::connect(&cluster, "ana", Encoding::Json).await;
+    let (stored, refused, held_back) = hundred_sends(&plain, "a").await;
+    assert_eq!(held_back, 0);
+    assert!(refused >= 95, "stored {stored}, refused {refused}");
+    let read_plain = limited(&cluster, "user_send_rate").await;
+
+    let throttled = common::connect(&cluster, "ben", Encoding::Json)
+        .await
+        .with_throttle(2.0);
+    let (stored_t, refused_t, held_back_t) = hundred_sends(&throttled, "b").await;
+    assert_eq!(throttled.held_back_sends(), u64::from(held_back_t));
+    // The gateway read, and refused, a fraction of what it refused the
+    // plain phone: the rest stayed on the phone.
+    let refused_by_gateway = limited(&cluster, "user_send_rate").await - read_plain;
+    assert_eq!(refused_by_gateway, f64::from(refused_t));
+    assert!(
+        held_back_t >= 60 && refused_t <= 30,
+        "stored {stored_t}, refused {refused_t}, held back {held_back_t}"
+    );
+    // Nothing held back was stored.
+    assert_eq!(
+        common::rows(&plain, DM).await.len(),
+        (stored + stored_t) as usize
+    );
     cluster.shutdown().await;
 }
 

@@ -254,7 +254,7 @@ impl GatewayMetrics {
 #[cfg(test)]
 mod tests {
     use imdedup_runtime::metrics::render;
-    use imdedup_testkit::prom::sum_samples;
+    use imdedup_testkit::prom::{assert_samples, sum_samples};
 
     use super::*;
 
@@ -268,37 +268,30 @@ mod tests {
         gateway.shard_replied("http://a", Err(ErrorKind::Unavailable));
 
         let text = render(&registry);
-        for (name, labels, value) in [
-            ("imdedup_gateway_connections", vec![], 1.0),
-            (
-                "imdedup_gateway_sends_total",
-                vec![("outcome", "stored")],
-                1.0,
-            ),
-            (
-                "imdedup_gateway_sends_total",
-                vec![("outcome", "rejected")],
-                1.0,
-            ),
-            (
-                "imdedup_gateway_send_errors_total",
-                vec![("code", "invalid_argument")],
-                1.0,
-            ),
-            ("imdedup_gateway_ack_duration_seconds_count", vec![], 2.0),
-            (
-                "imdedup_gateway_ack_duration_seconds_bucket",
-                vec![("le", "0.0025")],
-                1.0,
-            ),
-            ("imdedup_gateway_shard_up", vec![("shard", "http://a")], 0.0),
-        ] {
-            assert_eq!(
-                sum_samples(&text, name, &labels),
-                Some(value),
-                "{name} {labels:?} in\n{text}"
-            );
-        }
+        assert_samples(
+            &text,
+            &[
+                ("imdedup_gateway_connections", &[], 1.0),
+                ("imdedup_gateway_sends_total", &[("outcome", "stored")], 1.0),
+                (
+                    "imdedup_gateway_sends_total",
+                    &[("outcome", "rejected")],
+                    1.0,
+                ),
+                (
+                    "imdedup_gateway_send_errors_total",
+                    &[("code", "invalid_argument")],
+                    1.0,
+                ),
+                ("imdedup_gateway_ack_duration_seconds_count", &[], 2.0),
+                (
+                    "imdedup_gateway_ack_duration_seconds_bucket",
+                    &[("le", "0.0025")],
+                    1.0,
+                ),
+                ("imdedup_gateway_shard_up", &[("shard", "http://a")], 0.0),
+            ],
+        );
         assert!(text.contains("# TYPE imdedup_gateway_ack_duration_seconds histogram\n"));
         assert!(text.ends_with("# EOF\n"));
     }

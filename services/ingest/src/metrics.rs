@@ -291,7 +291,7 @@ impl IngestMetrics {
 mod tests {
     use imdedup_runtime::metrics::render;
     use imdedup_runtime::metrics::shard_registry;
-    use imdedup_testkit::prom::sum_samples;
+    use imdedup_testkit::prom::assert_samples;
 
     use super::*;
 
@@ -308,40 +308,37 @@ mod tests {
 
         let text = render(&registry);
         let shard = ("shard", "ingest-0");
-        for (name, labels, value) in [
-            ("imdedup_ingest_shard_info", vec![shard], 1.0),
-            (
-                "imdedup_ingest_sends_total",
-                vec![shard, ("outcome", "duplicate_window")],
-                1.0,
-            ),
-            (
-                "imdedup_ingest_decision_duration_seconds_count",
-                vec![shard],
-                1.0,
-            ),
-            (
-                "imdedup_window_claims_total",
-                vec![shard, ("result", "seen")],
-                1.0,
-            ),
-            (
-                "imdedup_window_operation_duration_seconds_count",
-                vec![shard, ("operation", "claim"), ("backend", "memory")],
-                1.0,
-            ),
-            (
-                "imdedup_storage_errors_total",
-                vec![shard, ("operation", "insert")],
-                1.0,
-            ),
-        ] {
-            assert_eq!(
-                sum_samples(&text, name, &labels),
-                Some(value),
-                "{name} {labels:?} in\n{text}"
-            );
-        }
+        assert_samples(
+            &text,
+            &[
+                ("imdedup_ingest_shard_info", &[shard], 1.0),
+                (
+                    "imdedup_ingest_sends_total",
+                    &[shard, ("outcome", "duplicate_window")],
+                    1.0,
+                ),
+                (
+                    "imdedup_ingest_decision_duration_seconds_count",
+                    &[shard],
+                    1.0,
+                ),
+                (
+                    "imdedup_window_claims_total",
+                    &[shard, ("result", "seen")],
+                    1.0,
+                ),
+                (
+                    "imdedup_window_operation_duration_seconds_count",
+                    &[shard, ("operation", "claim"), ("backend", "memory")],
+                    1.0,
+                ),
+                (
+                    "imdedup_storage_errors_total",
+                    &[shard, ("operation", "insert")],
+                    1.0,
+                ),
+            ],
+        );
         assert!(text.contains("# TYPE imdedup_ingest_shard_info gauge\n"));
     }
 }

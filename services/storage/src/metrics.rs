@@ -193,7 +193,7 @@ impl StoreMetrics {
 #[cfg(test)]
 mod tests {
     use imdedup_runtime::metrics::render;
-    use imdedup_testkit::prom::sum_samples;
+    use imdedup_testkit::prom::assert_samples;
 
     use super::*;
 
@@ -206,32 +206,29 @@ mod tests {
         store.operation(DB_SQLITE, "history", Duration::from_millis(1), false);
 
         let text = render(&registry);
-        for (name, labels, value) in [
-            (
-                "imdedup_store_inserts_total",
-                vec![("db_system", "cassandra"), ("result", "not_applied")],
-                1.0,
-            ),
-            (
-                "imdedup_store_seq_leases_total",
-                vec![
-                    ("db_system", "cassandra"),
-                    ("kind", "conversation"),
-                    ("result", "contended"),
-                ],
-                1.0,
-            ),
-            (
-                "imdedup_store_errors_total",
-                vec![("db_system", "sqlite"), ("operation", "history")],
-                1.0,
-            ),
-        ] {
-            assert_eq!(
-                sum_samples(&text, name, &labels),
-                Some(value),
-                "{name} {labels:?} in\n{text}"
-            );
-        }
+        assert_samples(
+            &text,
+            &[
+                (
+                    "imdedup_store_inserts_total",
+                    &[("db_system", "cassandra"), ("result", "not_applied")],
+                    1.0,
+                ),
+                (
+                    "imdedup_store_seq_leases_total",
+                    &[
+                        ("db_system", "cassandra"),
+                        ("kind", "conversation"),
+                        ("result", "contended"),
+                    ],
+                    1.0,
+                ),
+                (
+                    "imdedup_store_errors_total",
+                    &[("db_system", "sqlite"), ("operation", "history")],
+                    1.0,
+                ),
+            ],
+        );
     }
 }

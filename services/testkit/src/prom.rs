@@ -28,6 +28,24 @@ pub fn sum_samples(exposition: &str, name: &str, labels: &[(&str, &str)]) -> Opt
     total
 }
 
+/// A series expected in an exposition: its name, labels it must carry, and
+/// the sum of its samples.
+pub type Expected<'a> = (&'a str, &'a [(&'a str, &'a str)], f64);
+
+/// Assert that every `(name, labels, value)` sums to `value` in an
+/// exposition text: a service's metrics contract (the names and labels its
+/// dashboard and alerts read), checked in one place for every service.
+#[track_caller]
+pub fn assert_samples(exposition: &str, expected: &[Expected<'_>]) {
+    for &(name, labels, value) in expected {
+        assert_eq!(
+            sum_samples(exposition, name, labels),
+            Some(value),
+            "{name} {labels:?} in\n{exposition}"
+        );
+    }
+}
+
 /// `a="x",b="y\"z"` into pairs, unescaping values.
 fn parse_labels(raw: &str) -> Vec<(String, String)> {
     let mut pairs = Vec::new();

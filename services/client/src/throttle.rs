@@ -1,0 +1,208 @@
+//! Client-side adaptive throttling, as the Google SRE book describes it
+//! ("Handling Overload"): a phone that sees the gateway refuse much of what
+//! it sends holds some of its new sends back itself, so that a gateway past
+//! its capacity is not also made to read, decode and refuse them.
+//!
+//! Over the last few seconds the phone counts its *requests* (every send it
+//! wanted to make, held back or not) and the sends the gateway *accepted*
+//! (sent and not answered `overloaded`; a `queued` send is accepted). A new
+//! send is held back with probability
+//!
+//! ```text
+//! max(0, (requests − k × accepted) / (requests + 1))
+//! ```
+//!
+//! While the gateway accepts everything, that is 0. When it refuses, the
+//! sends that reach it settle near `k` times what it accepts: `k = 2` (the
+//! book's value) lets it refuse at most about half of what it reads.
+//! Counting the held-back sends as requests keeps a trickle of sends
+//! reaching the gateway, so the phone notices when it accepts again.
+
+use std::time::{Duration, Instant};
+
+/// The counts cover two buckets of this length: the current one and the
+/// one before it. Short, because a phone must notice a surge within a few
+/// seconds (the book's 2 minutes suit a server's steady stream of calls).
+const BUCKET: Duration = Duration::from_secs(2);
+
+/// A send held back is tried again after the wait the gateway last asked
+/// for (its appointments measure how far the backlog reaches), this much
+/// when it has asked for none, stretched by ±50% so that the sends held
+/// back together do not come back together.
+const DEFAULT_WAIT: Duration = Duration::from_secs(1);
+const MIN_WAIT: Duration = Duration::from_millis(200);
+const MAX_WAIT: Duration = Duration::from_secs(30);
+
+#[derive(Debug)]
+pub(crate) struct Throttle {
+    k: f64,
+    bucket_started: Instant,
+    current: Tally,
+    previous: Tally,
+    /// The wait the gateway asked for in its last `overloaded` answer.
+    last_hint: Option<Duration>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Tally {
+    /// Sends wanted, held back or not.
+    requests: u64,
+    /// Sends written to the gateway.
+    sent: u64,
+    /// Sends answered `overloaded`.
+    refused: u64,
+}
+
+impl Throttle {
+    pub(crate) fn new(k: f64, now: Instant) -> Self {
+        Self {
+            k,
+            bucket_started: now,
+            current: Tally::default(),
+            previous: Tally::default(),
+            last_hint: None,
+        }
+    }
+
+    /// A new send is wanted: whether to hold it back (`draw` is uniform in
+    /// [0, 1)). Counted either way.
+    pub(crate) fn hold_back(&mut self, now: Instant, draw: f64) -> bool {
+        self.rotate(now);
+        let held = draw < self.chance();
+        self.current.requests += 1;
+        if !held {
+            self.current.sent += 1;
+        }
+        held
+    }
+
+    /// The gateway answered a send `overloaded`, asking to wait `hint`.
+    pub(crate) fn refused(&mut self, now: Instant, hint: Option<Duration>) {
+        self.rotate(now);
+        self.current.refused += 1;
+        if hint.is_some() {
+            self.last_hint = hint;
+        }
+    }
+
+    /// How long a send held back now waits before it is tried again
+    /// (`stretch` is uniform in [0.5, 1.5]).
+    pub(crate) fn wait(&self, stretch: f64) -> Duration {
+        self.last_hint
+            .unwrap_or(DEFAULT_WAIT)
+            .mul_f64(stretch)
+            .clamp(MIN_WAIT, MAX_WAIT)
+    }
+
+    /// The chance that a new send is held back now.
+    fn chance(&self) -> f64 {
+        let requests = (self.current.requests + self.previous.requests) as f64;
+        let sent = self.current.sent + self.previous.sent;
+        let refused = self.current.refused + self.previous.refused;
+        let accepted = sent.saturating_sub(refused) as f64;
+        ((requests - self.k * accepted) / (requests + 1.0)).max(0.0)
+    }
+
+    fn rotate(&mut self, now: Instant) {
+        let age = now.saturating_duration_since(self.bucket_started);
+        if age >= 2 * BUCKET {
+            self.previous = Tally::default();
+            self.current = Tally::default();
+            self.bucket_started = now;
+        } else if age >= BUCKET {
+            self.previous = std::mem::take(&mut self.current);
+            self.bucket_started += BUCKET;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The phone wants `n` sends (draws spread evenly over [0, 1)); the
+    /// gateway refuses every one it reads if `refuse_all`. How many reached
+    /// it.
+    fn round(throttle: &mut Throttle, now: Instant, n: u32, refuse_all: bool) -> u32 {
+        let mut sent = 0;
+        for i in 0..n {
+            let draw = (f64::from(i) * 0.618_033_988_7).fract();
+            if !throttle.hold_back(now, draw) {
+                sent += 1;
+                if refuse_all {
+                    throttle.refused(now, None);
+                }
+            }
+        }
+        sent
+    }
+
+    #[test]
+    fn a_gateway_that_accepts_everything_gets_every_send() {
+        let start = Instant::now();
+        let mut throttle = Throttle::new(2.0, start);
+        for second in 0..30 {
+            let now = start + Duration::from_secs(second);
+            assert_eq!(
+                round(&mut throttle, now, 100, false),
+                100,
+                "second {second}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_gateway_that_refuses_most_sends_reads_about_k_times_what_it_accepts() {
+        let start = Instant::now();
+        let mut throttle = Throttle::new(2.0, start);
+        // It accepts 10 sends a second and refuses the rest; the phone
+        // wants to send 100.
+        let mut reached = Vec::new();
+        for second in 0..20 {
+            let now = start + Duration::from_secs(second);
+            let mut sent = 0;
+            for i in 0..100u32 {
+                let draw = (f64::from(i) * 0.618_033_988_7).fract();
+                if !throttle.hold_back(now, draw) {
+                    sent += 1;
+                    if sent > 10 {
+                        throttle.refused(now, None);
+                    }
+                }
+            }
+            reached.push(sent);
+        }
+        // Without the throttle it would read 100 a second; once the counts
+        // cover the overload it reads about k x 10.
+        let settled = &reached[10..];
+        let mean = settled.iter().sum::<u32>() as f64 / settled.len() as f64;
+        assert!((15.0..=30.0).contains(&mean), "{reached:?}");
+    }
+
+    #[test]
+    fn sends_flow_again_once_the_refusals_are_out_of_the_window() {
+        let start = Instant::now();
+        let mut throttle = Throttle::new(2.0, start);
+        // Every send refused: once that shows, most are held back.
+        let sent = round(&mut throttle, start, 100, true);
+        assert!(sent < 50, "sent {sent} of 100");
+        // Two buckets later the refusals no longer count.
+        let later = start + 2 * BUCKET + Duration::from_secs(1);
+        assert_eq!(round(&mut throttle, later, 100, false), 100);
+    }
+
+    #[test]
+    fn a_send_held_back_waits_about_as_long_as_the_gateway_last_asked() {
+        let start = Instant::now();
+        let mut throttle = Throttle::new(2.0, start);
+        assert_eq!(throttle.wait(1.0), DEFAULT_WAIT);
+        throttle.refused(start, Some(Duration::from_secs(8)));
+        throttle.refused(start, None);
+        assert_eq!(throttle.wait(0.5), Duration::from_secs(4));
+        assert_eq!(throttle.wait(1.5), Duration::from_secs(12));
+        throttle.refused(start, Some(Duration::from_secs(90)));
+        assert_eq!(throttle.wait(1.0), MAX_WAIT);
+        throttle.refused(start, Some(Duration::ZERO));
+        assert_eq!(throttle.wait(1.0), MIN_WAIT);
+    }
+}
