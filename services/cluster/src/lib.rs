@@ -3,8 +3,6 @@
 //! port, wired exactly as in production. The demo, the dev command, the load
 //! test's `--embedded` mode and the integration tests all start this.
 
-#[cfg(feature = "otlp-receiver")]
-pub mod otlp_receiver;
 pub mod without_dedup;
 
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};

@@ -4,7 +4,7 @@
 
 use std::{collections::BTreeSet, time::Duration};
 
-use imdedup_cluster::otlp_receiver::{OtlpReceiver, ReceivedSpan};
+use imdedup_testkit::otlp::{OtlpReceiver, ReceivedSpan};
 
 mod common;
 
