@@ -180,20 +180,18 @@ pub async fn deliver(
                 .map(|(frame, reply)| (connection, frame, reply)),
             Err(e) => Err(e),
         };
-        match &sent {
-            // Held back by the client: no try; the same step once the
-            // wait is over.
-            Ok((_, _, Err(e))) if e.code == HELD_BACK => {
+        // Held back by the client: no try; the same step once the wait is
+        // over.
+        let held_back = matches!(&sent, Ok((_, _, Err(e))) if e.code == HELD_BACK);
+        if !held_back {
+            trace.tries += 1;
+            counts.tried();
+        }
+        match sent {
+            Ok((_, _, Err(e))) if held_back => {
                 trace.held_back += 1;
                 pushed_to = e.retry_after.map(|wait| Instant::now() + wait);
             }
-            _ => {
-                trace.tries += 1;
-                counts.tried();
-            }
-        }
-        match sent {
-            Ok((_, _, Err(e))) if e.code == HELD_BACK => {}
             Ok((connection, frame, Ok(ack))) => {
                 if ack.outcome == "stored" {
                     trace.stored_by_frame = Some((connection, frame, ack.seq));

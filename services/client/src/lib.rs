@@ -554,7 +554,7 @@ fn dispatch(pending: &Mutex<Pending>, reply: Reply) -> Option<Reply> {
             code,
             retry_after,
             ..
-        }) if code == "overloaded" && pending.throttle.is_some() => {
+        }) if code == "overloaded" => {
             if let Some(throttle) = pending.throttle.as_mut() {
                 throttle.refused(std::time::Instant::now(), *retry_after);
             }

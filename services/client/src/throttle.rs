@@ -121,15 +121,15 @@ mod tests {
     use super::*;
 
     /// The phone wants `n` sends (draws spread evenly over [0, 1)); the
-    /// gateway refuses every one it reads if `refuse_all`. How many reached
-    /// it.
-    fn round(throttle: &mut Throttle, now: Instant, n: u32, refuse_all: bool) -> u32 {
+    /// gateway accepts the first `accepts` it reads and refuses the rest.
+    /// How many reached it.
+    fn round(throttle: &mut Throttle, now: Instant, n: u32, accepts: u32) -> u32 {
         let mut sent = 0;
         for i in 0..n {
             let draw = (f64::from(i) * 0.618_033_988_7).fract();
             if !throttle.hold_back(now, draw) {
                 sent += 1;
-                if refuse_all {
+                if sent > accepts {
                     throttle.refused(now, None);
                 }
             }
@@ -137,17 +137,17 @@ mod tests {
         sent
     }
 
+    /// The gateway accepts everything, or nothing.
+    const ALL: u32 = u32::MAX;
+    const NONE: u32 = 0;
+
     #[test]
     fn a_gateway_that_accepts_everything_gets_every_send() {
         let start = Instant::now();
         let mut throttle = Throttle::new(2.0, start);
         for second in 0..30 {
             let now = start + Duration::from_secs(second);
-            assert_eq!(
-                round(&mut throttle, now, 100, false),
-                100,
-                "second {second}"
-            );
+            assert_eq!(round(&mut throttle, now, 100, ALL), 100, "second {second}");
         }
     }
 
@@ -160,17 +160,7 @@ mod tests {
         let mut reached = Vec::new();
         for second in 0..20 {
             let now = start + Duration::from_secs(second);
-            let mut sent = 0;
-            for i in 0..100u32 {
-                let draw = (f64::from(i) * 0.618_033_988_7).fract();
-                if !throttle.hold_back(now, draw) {
-                    sent += 1;
-                    if sent > 10 {
-                        throttle.refused(now, None);
-                    }
-                }
-            }
-            reached.push(sent);
+            reached.push(round(&mut throttle, now, 100, 10));
         }
         // Without the throttle it would read 100 a second; once the counts
         // cover the overload it reads about k x 10.
@@ -184,11 +174,11 @@ mod tests {
         let start = Instant::now();
         let mut throttle = Throttle::new(2.0, start);
         // Every send refused: once that shows, most are held back.
-        let sent = round(&mut throttle, start, 100, true);
+        let sent = round(&mut throttle, start, 100, NONE);
         assert!(sent < 50, "sent {sent} of 100");
         // Two buckets later the refusals no longer count.
         let later = start + 2 * BUCKET + Duration::from_secs(1);
-        assert_eq!(round(&mut throttle, later, 100, false), 100);
+        assert_eq!(round(&mut throttle, later, 100, ALL), 100);
     }
 
     #[test]

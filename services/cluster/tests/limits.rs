@@ -23,6 +23,14 @@ async fn cluster(
     LocalCluster::start(options).await.unwrap()
 }
 
+/// Limits with a user send rate of `per_second` and a burst of `burst`.
+fn send_rate(per_second: u32, burst: u32) -> impl FnOnce(&mut imdedup_gateway::limits::Limits) {
+    move |l| {
+        l.user_sends_per_second = NonZeroU32::new(per_second).unwrap();
+        l.user_send_burst = NonZeroU32::new(burst).unwrap();
+    }
+}
+
 async fn limited(cluster: &LocalCluster, reason: &str) -> f64 {
     common::metric(
         cluster,
@@ -39,11 +47,7 @@ const DM: &str = "dm:ana:ben";
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_user_over_the_send_rate_is_told_when_to_come_back_and_nothing_is_stored() {
     let dir = tempfile::tempdir().unwrap();
-    let cluster = cluster(&dir, |l| {
-        l.user_sends_per_second = NonZeroU32::new(2).unwrap();
-        l.user_send_burst = NonZeroU32::new(3).unwrap();
-    })
-    .await;
+    let cluster = cluster(&dir, send_rate(2, 3)).await;
     let ana = common::connect(&cluster, "ana", Encoding::Json).await;
     // Two connections of one user share one bucket.
     let ana_again = common::connect(&cluster, "ana", Encoding::Protobuf).await;
@@ -101,11 +105,7 @@ async fn hundred_sends(phone: &Client, prefix: &str) -> (u32, u32, u32) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_throttled_phone_holds_back_most_of_what_the_gateway_would_refuse() {
     let dir = tempfile::tempdir().unwrap();
-    let cluster = cluster(&dir, |l| {
-        l.user_sends_per_second = NonZeroU32::new(1).unwrap();
-        l.user_send_burst = NonZeroU32::new(1).unwrap();
-    })
-    .await;
+    let cluster = cluster(&dir, send_rate(1, 1)).await;
     // Two users, each over the rate with a hundred sends in well under a
     // second: one phone without client-side throttling, one with it.
     let plain = common::connect(&cluster, "ana", Encoding::Json).await;
