@@ -11,14 +11,17 @@ use anyhow::Context;
 use imdedup_domain::window::RecentWindow;
 use imdedup_domain::{
     clock::SharedClock,
-    model::{DEFAULT_MAX_BODY_BYTES, Sender},
-    routing::{Shard, ShardMap},
+    model::{ConversationId, DEFAULT_MAX_BODY_BYTES, Sender},
+    routing::{Ownership, Shard, ShardMap},
     store::MessageStore,
 };
 use imdedup_gateway::metrics::GatewayMetrics;
-use imdedup_gateway::{Gateway, GatewayConfig, authz::Authorizer, limits::Limits};
+use imdedup_gateway::{
+    DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_IN_FLIGHT_PER_CONNECTION, Gateway, GatewayConfig,
+    authz::Authorizer, limits::Limits,
+};
 use imdedup_hops::storage::RemoteStore;
-use imdedup_ingest::metrics::IngestMetrics;
+use imdedup_ingest::metrics::{IngestMetrics, WindowMetrics};
 use imdedup_ingest::{
     Dedup, DedupCounts, MemoryWindow, MemoryWindowOptions, RedisWindow, RedisWindowOptions,
 };
@@ -95,6 +98,10 @@ pub struct ClusterOptions {
     pub reflection: bool,
     /// What one phone, or all of them, may cost the gateway.
     pub gateway_limits: Limits,
+    /// Most phone connections at once, per gateway.
+    pub max_connections: usize,
+    /// Most sends and pulls in flight on one connection.
+    pub max_in_flight_per_connection: usize,
 }
 
 impl ClusterOptions {
@@ -117,6 +124,8 @@ impl ClusterOptions {
             internal_tls: InternalTls::Plaintext,
             reflection: false,
             gateway_limits: Limits::default(),
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_in_flight_per_connection: DEFAULT_MAX_IN_FLIGHT_PER_CONNECTION,
         }
     }
 
@@ -191,6 +200,8 @@ pub struct LocalCluster {
     storage_addr: SocketAddr,
     storage: Option<Running>,
     ingest_addrs: Vec<SocketAddr>,
+    /// Which shard answers which conversation, as the gateways route.
+    shard_map: ShardMap,
     ingests: Vec<(Running, Arc<Dedup>)>,
     gateways: Vec<RunningGateway>,
 }
@@ -209,6 +220,30 @@ where
     });
     Running { stop, task }
 }
+
+/// The name of shard `index` in the cluster's shard map, its metrics and
+/// its writer membership.
+fn shard_name(index: usize) -> String {
+    format!("ingest-{index}")
+}
+
+/// A shard's Redis window, built as the `imdedup ingest` process builds it
+/// (connected in the background, bypassed until then), given a moment to
+/// connect so that a cluster started beside a running Redis serves its
+/// first sends through the window.
+async fn connecting_window(
+    options: RedisWindowOptions,
+    metrics: WindowMetrics,
+) -> Arc<dyn RecentWindow> {
+    let window = RedisWindow::connecting(options, metrics);
+    if !window.connected_within(REDIS_FIRST_CONNECT).await {
+        tracing::warn!(waited = ?REDIS_FIRST_CONNECT, "Redis is not reachable; the shard serves with the window bypassed until it is");
+    }
+    Arc::new(window)
+}
+
+/// How long a starting shard waits for its Redis before it serves without.
+const REDIS_FIRST_CONNECT: Duration = Duration::from_secs(3);
 
 async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
     TcpListener::bind(addr)
@@ -234,12 +269,30 @@ impl LocalCluster {
         let storage_url = format!("http://{storage_addr}");
         let mut admins = vec![start_admin("storage".to_owned(), storage_registry).await?];
 
-        let mut ingest_addrs = Vec::new();
+        // Every shard's port first: the shard map names them all, and each
+        // shard answers only the conversations the map gives it, as an
+        // `imdedup ingest --shards …` process does.
+        let mut listeners = Vec::new();
+        for _ in 0..options.shards.max(1) {
+            listeners.push(bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?);
+        }
+        let ingest_addrs = listeners
+            .iter()
+            .map(TcpListener::local_addr)
+            .collect::<Result<Vec<_>, _>>()?;
+        let shard_map = ShardMap::new(
+            ingest_addrs
+                .iter()
+                .enumerate()
+                .map(|(index, addr)| Shard {
+                    name: shard_name(index),
+                    url: format!("http://{addr}"),
+                })
+                .collect(),
+        )?;
         let mut ingests = Vec::new();
-        for index in 0..options.shards.max(1) {
-            let listener = bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
-            ingest_addrs.push(listener.local_addr()?);
-            let shard_name = format!("ingest-{index}");
+        for (index, listener) in listeners.into_iter().enumerate() {
+            let shard_name = shard_name(index);
             let mut registry = Registry::default();
             let shard_metrics = shard_registry(&mut registry, &shard_name);
             let metrics = IngestMetrics::register(shard_metrics);
@@ -270,11 +323,7 @@ impl LocalCluster {
                     // Each shard has its own window client and its own store
                     // (its own seq leases), as separate processes would.
                     Backends::Real { redis, scylla } => (
-                        Arc::new(
-                            RedisWindow::connect(redis.clone())
-                                .await?
-                                .with_metrics(metrics.window.clone()),
-                        ),
+                        connecting_window(redis.clone(), metrics.window.clone()).await,
                         Arc::new(
                             ScyllaStore::open(ScyllaOptions {
                                 metrics: StoreMetrics::register(shard_metrics),
@@ -285,10 +334,11 @@ impl LocalCluster {
                         ),
                     ),
                 };
-            admins.push(start_admin(shard_name, registry).await?);
+            admins.push(start_admin(shard_name.clone(), registry).await?);
             let dedup = Arc::new(
                 Dedup::new(window, Arc::clone(&store), options.storage_timeout)
-                    .with_metrics(metrics),
+                    .with_metrics(metrics)
+                    .with_ownership(Ownership::new(shard_map.clone(), &shard_name)?),
             );
             let serving = Arc::clone(&dedup);
             let max_body = options.max_body_bytes;
@@ -304,16 +354,6 @@ impl LocalCluster {
             ingests.push((running, dedup));
         }
 
-        let shard_map = ShardMap::new(
-            ingest_addrs
-                .iter()
-                .enumerate()
-                .map(|(index, addr)| Shard {
-                    name: format!("ingest-{index}"),
-                    url: format!("http://{addr}"),
-                })
-                .collect(),
-        )?;
         let mut gateways = Vec::new();
         for index in 0..options.gateways.max(1) {
             let (addr, business_addr, role) = if index == 0 {
@@ -342,8 +382,8 @@ impl LocalCluster {
                     authz: options.authz.clone(),
                     send_timeout: options.send_timeout,
                     max_body_bytes: options.max_body_bytes,
-                    max_connections: 10_000,
-                    max_in_flight_per_connection: 256,
+                    max_connections: options.max_connections,
+                    max_in_flight_per_connection: options.max_in_flight_per_connection,
                     limits: options.gateway_limits.clone(),
                     clock: Arc::clone(&options.clock),
                 })?
@@ -391,6 +431,7 @@ impl LocalCluster {
             storage_addr,
             storage,
             ingest_addrs,
+            shard_map,
             ingests,
             gateways,
         })
@@ -439,6 +480,15 @@ impl LocalCluster {
             .iter()
             .map(|a| format!("http://{a}"))
             .collect()
+    }
+
+    /// `http://…` URL of the ingest shard that owns `conversation` (the
+    /// others refuse it, retryably).
+    pub fn owner_ingest_url(&self, conversation: &str) -> anyhow::Result<String> {
+        let conversation = ConversationId::parse(conversation)?;
+        Ok(self.shard_map.shards()[self.shard_map.owner(&conversation)]
+            .url
+            .clone())
     }
 
     /// `http://…` URL of the storage gRPC server.

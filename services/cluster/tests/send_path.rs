@@ -142,26 +142,28 @@ async fn simultaneous_copies_through_two_ingest_instances_store_one_row(kind: Ki
         let id = format!("race-{round}");
         let (mut a, mut b) = (clients[0].clone(), clients[1].clone());
         let (ra, rb) = tokio::join!(a.send(request(id.clone())), b.send(request(id.clone())));
-        // On ScyllaDB each instance writes itself, and a conversation has
-        // one writer: the copy at the instance that does not own it is
-        // refused, retryably, and stores nothing.
+        // A conversation has one writer: the shard the shard map gives it.
+        // The copy at the other shard is refused, retryably, and stores
+        // nothing.
         let ack = |r: Result<tonic::Response<pb::SendResponse>, tonic::Status>| match r {
             Ok(reply) => match reply.into_inner().result {
                 Some(send_response::Result::Ack(ack)) => Some(ack),
                 other => panic!("expected an ack, got {other:?}"),
             },
-            Err(status) if kind == Kind::Real && status.code() == tonic::Code::Unavailable => None,
+            Err(status) if status.code() == tonic::Code::Unavailable => None,
             Err(status) => panic!("round {round}: {status:?}"),
         };
         let (ra, rb) = (ack(ra), ack(rb));
         let answered = if ra.is_some() { 0 } else { 1 };
         let mut acks: Vec<pb::Ack> = [ra, rb].into_iter().flatten().collect();
-        assert!(!acks.is_empty(), "round {round}: both copies refused");
-        if acks.len() == 1 {
-            // The phone's resend reaches the writer: the same ACK.
-            let mut writer = clients[answered].clone();
-            acks.extend(ack(writer.send(request(id)).await));
-        }
+        assert_eq!(
+            acks.len(),
+            1,
+            "round {round}: the shard that does not own the conversation answered"
+        );
+        // The phone's resend reaches the writer: the same ACK.
+        let mut writer = clients[answered].clone();
+        acks.extend(ack(writer.send(request(id)).await));
         let [ra, rb] = &acks[..] else {
             panic!("round {round}: the resend was refused")
         };
@@ -481,7 +483,7 @@ async fn a_send_batch_from_an_earlier_gateway_is_answered_by_tag_and_stored_once
     let Some(h) = start(Kind::Embedded).await else {
         return;
     };
-    let url = h.cluster.ingest_urls()[0].clone();
+    let url = h.cluster.owner_ingest_url("batch").unwrap();
     let client = IngestServiceClient::connect(url).await.unwrap();
     let send = |id: &str, tag: u64| pb::SendRequest {
         sender: "ana".into(),
@@ -570,4 +572,34 @@ async fn an_insert_batch_from_an_earlier_ingest_is_answered_by_index_and_stored_
     let reader = h.connect("ben", Encoding::Json).await;
     assert_eq!(rows(&reader, "batch").await.len(), 2);
     h.cluster.shutdown().await;
+}
+
+/// The cluster's shards build their Redis window as `imdedup ingest` does:
+/// a Redis that cannot be reached when the cluster starts does not stop it.
+/// Sends are answered from the unique key, each counted as a bypass, and a
+/// resend still gets the original ACK.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_started_while_redis_is_unreachable_serves_with_the_window_bypassed() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new();
+    let Some(mut options) = common::options(Kind::Real, &dir, &clock) else {
+        return;
+    };
+    let imdedup_cluster::Backends::Real { redis, .. } = &mut options.backends else {
+        unreachable!("real backends asked for");
+    };
+    // A loopback port nobody listens on.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    redis.urls = vec![format!("redis://{}", closed.local_addr().unwrap())];
+    drop(closed);
+    let cluster = LocalCluster::start(options).await.unwrap();
+    let ana = common::connect(&cluster, "ana", Encoding::Json).await;
+    let first = ana.send(b"nr-1", "c", "hi").await.unwrap().unwrap();
+    let again = ana.send(b"nr-1", "c", "hi").await.unwrap().unwrap();
+    assert_eq!(first.outcome, "stored");
+    assert_eq!(again.outcome, "duplicate_unique_key");
+    assert_eq!((again.server_id, again.seq), (first.server_id, first.seq));
+    assert_eq!(cluster.dedup_counts().window_bypassed, 2);
+    assert_eq!(rows(&ana, "c").await.len(), 1);
+    cluster.shutdown().await;
 }

@@ -70,6 +70,13 @@ pub const MAX_FRAME_BYTES: usize = 256 * 1024;
 /// bytes; a larger one still arrives whole, in more reads.
 pub const READ_BUFFER_BYTES: usize = 8 * 1024;
 
+/// Most phone connections a gateway holds at once, unless configured.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 50_000;
+
+/// Most sends and pulls in flight on one connection, unless configured; the
+/// gateway stops reading a connection at this many.
+pub const DEFAULT_MAX_IN_FLIGHT_PER_CONNECTION: usize = 256;
+
 #[derive(Clone)]
 pub struct GatewayConfig {
     /// The ingest shards; every gateway and ingest must have the same set of
@@ -89,6 +96,7 @@ pub struct GatewayConfig {
     /// Deadline of one send through ingest and storage.
     pub send_timeout: Duration,
     pub max_body_bytes: usize,
+    /// Phones beyond this many connections are refused with HTTP 503.
     pub max_connections: usize,
     pub max_in_flight_per_connection: usize,
     /// What one client, or all of them, may cost.

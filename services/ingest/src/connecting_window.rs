@@ -62,6 +62,18 @@ impl<W: RecentWindow> ConnectingWindow<W> {
         self.window.get().is_some()
     }
 
+    /// Wait up to `limit` for the connection; whether it is made.
+    pub async fn connected_within(&self, limit: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + limit;
+        while !self.connected() {
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        true
+    }
+
     fn get(&self) -> Result<&W, Error> {
         self.window
             .get()

@@ -45,7 +45,7 @@ use redis::{
     cluster_async::ClusterConnection,
 };
 
-use crate::{breaker::Breaker, window::DEFAULT_WINDOW_TTL};
+use crate::{ConnectingWindow, breaker::Breaker, window::DEFAULT_WINDOW_TTL};
 
 /// KEYS: the live buckets, then the pending key. ARGV: field, pending value,
 /// claim TTL in ms. Returns a receipt, a pending value, or nil (claimed).
@@ -247,6 +247,20 @@ fn redis_error(what: &str, e: &redis::RedisError) -> Error {
 }
 
 impl RedisWindow {
+    /// The window an ingest shard serves with: connected in the background
+    /// ([`ConnectingWindow`]), so a shard whose Redis is down at start
+    /// serves, the window bypassed (counted), until it connects. The
+    /// `imdedup ingest` process and the local cluster both build it here.
+    pub fn connecting(
+        options: RedisWindowOptions,
+        metrics: WindowMetrics,
+    ) -> ConnectingWindow<RedisWindow> {
+        ConnectingWindow::spawn(move || {
+            let (options, metrics) = (options.clone(), metrics.clone());
+            async move { Ok(RedisWindow::connect(options).await?.with_metrics(metrics)) }
+        })
+    }
+
     /// Connect to Redis (or the cluster). Fails if it cannot be reached now;
     /// once built, the connection reconnects by itself.
     pub async fn connect(options: RedisWindowOptions) -> Result<Self, Error> {

@@ -51,11 +51,11 @@ pub struct GatewayArgs {
     #[arg(long, env = "IMDEDUP_MAX_BODY_BYTES", default_value_t = DEFAULT_MAX_BODY_BYTES)]
     pub max_body_bytes: usize,
     /// Most phone connections at once; more are refused with HTTP 503.
-    #[arg(long, env = "IMDEDUP_MAX_CONNECTIONS", default_value_t = 50_000)]
+    #[arg(long, env = "IMDEDUP_MAX_CONNECTIONS", default_value_t = imdedup_gateway::DEFAULT_MAX_CONNECTIONS)]
     pub max_connections: usize,
     /// Most sends and pulls in flight on one connection; the gateway stops
     /// reading that connection until one finishes.
-    #[arg(long, env = "IMDEDUP_MAX_IN_FLIGHT", default_value_t = 256)]
+    #[arg(long, env = "IMDEDUP_MAX_IN_FLIGHT", default_value_t = imdedup_gateway::DEFAULT_MAX_IN_FLIGHT_PER_CONNECTION)]
     pub max_in_flight: usize,
     /// Time given to sends in flight after SIGTERM.
     #[arg(long, env = "IMDEDUP_GRACE", default_value = "10s", value_parser = duration)]

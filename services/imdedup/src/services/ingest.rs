@@ -12,7 +12,7 @@ use imdedup_domain::{
 };
 use imdedup_hops::storage::RemoteStore;
 use imdedup_ingest::{
-    ConnectingWindow, Dedup, MemoryWindow, MemoryWindowOptions, RedisWindow, RedisWindowOptions,
+    Dedup, MemoryWindow, MemoryWindowOptions, RedisWindow, RedisWindowOptions,
     db_limit::DbLimitOptions,
 };
 use imdedup_runtime::metrics::{Registry, shard_registry};
@@ -196,17 +196,7 @@ pub async fn ingest(args: IngestArgs) -> anyhow::Result<()> {
     let window: Arc<dyn RecentWindow> = match redis {
         // Redis down at start does not stop the shard: the window is
         // bypassed (counted) until the connection is made in the background.
-        Some(redis) => {
-            let window_metrics = metrics.window.clone();
-            Arc::new(ConnectingWindow::spawn(move || {
-                let (redis, window_metrics) = (redis.clone(), window_metrics.clone());
-                async move {
-                    Ok(RedisWindow::connect(redis)
-                        .await?
-                        .with_metrics(window_metrics))
-                }
-            }))
-        }
+        Some(redis) => Arc::new(RedisWindow::connecting(redis, metrics.window.clone())),
         None => Arc::new(
             MemoryWindow::new(MemoryWindowOptions {
                 ttl: args.window_ttl,
