@@ -39,34 +39,10 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     let _open = gateway.metrics().connection_opened();
-    let (mut sink, mut stream) = socket.split();
-    let (out, mut outgoing) =
-        mpsc::channel::<Message>(gateway.config.max_in_flight_per_connection * 2);
-    let writer = tokio::spawn(async move {
-        // Write every reply already queued, then flush once: under load one
-        // write carries many small ACKs, and none waits for a later one.
-        'writing: while let Some(first) = outgoing.recv().await {
-            if sink.feed(first).await.is_err() {
-                break;
-            }
-            for _ in 0..64 {
-                let Ok(next) = outgoing.try_recv() else {
-                    break;
-                };
-                if sink.feed(next).await.is_err() {
-                    break 'writing;
-                }
-            }
-            if sink.flush().await.is_err() {
-                break;
-            }
-        }
-        let _ = sink.close().await;
-    });
-
-    let in_flight = Arc::new(Semaphore::new(gateway.config.max_in_flight_per_connection));
+    let (sink, mut stream) = socket.split();
+    let (out, outgoing) = mpsc::channel::<Message>(gateway.config.max_in_flight_per_connection * 2);
+    let writer = tokio::spawn(write_replies(sink, outgoing));
     let limits = &gateway.config.limits;
-    let pulls = Arc::new(Semaphore::new(limits.max_pulls_per_connection.max(1)));
     // A quiet connection is pinged; one that answers nothing at all, not
     // even the pings, is closed so a dead phone frees its slot.
     let mut ping = tokio::time::interval(limits.ping_interval);
@@ -74,25 +50,29 @@ pub async fn run(
     ping.reset();
     let idle_timeout = limits.idle_timeout;
     let mut last_heard = tokio::time::Instant::now();
-    let tasks = TaskTracker::new();
-    let mut order = SendOrder::default();
-    let mut held = HeldSends::default();
+    let mut connection = Connection {
+        in_flight: Arc::new(Semaphore::new(gateway.config.max_in_flight_per_connection)),
+        pulls: Arc::new(Semaphore::new(limits.max_pulls_per_connection.max(1))),
+        gateway: Arc::clone(&gateway),
+        session,
+        out,
+        tasks: TaskTracker::new(),
+        order: SendOrder::default(),
+        held: HeldSends::default(),
+    };
     // How the connection ends, when the gateway ends it.
-    let mut close: Option<CloseFrame> = None;
-    loop {
+    let close: Option<CloseFrame> = loop {
         let next = tokio::select! {
             () = shutdown.cancelled() => {
-                close = Some(close_frame(close_code::AWAY, "server shutting down; reconnect"));
-                break;
+                break Some(close_frame(close_code::AWAY, "server shutting down; reconnect"));
             }
             () = tokio::time::sleep_until(last_heard + idle_timeout) => {
                 gateway.metrics().limited("idle");
-                close = Some(close_frame(close_code::AWAY, "idle; reconnect"));
-                break;
+                break Some(close_frame(close_code::AWAY, "idle; reconnect"));
             }
             _ = ping.tick() => {
                 // Never waits: a full queue means replies are flowing.
-                let _ = out.try_send(Message::Ping(Default::default()));
+                let _ = connection.out.try_send(Message::Ping(Default::default()));
                 continue;
             }
             next = stream.next() => next,
@@ -102,68 +82,150 @@ pub async fn run(
             Some(Ok(Message::Text(text))) => (Encoding::Json, text.as_bytes().to_vec()),
             Some(Ok(Message::Binary(bytes))) => (Encoding::Protobuf, bytes.to_vec()),
             Some(Ok(Message::Ping(_) | Message::Pong(_))) => continue,
-            Some(Ok(Message::Close(_))) | None => break,
+            Some(Ok(Message::Close(_))) | None => break None,
             Some(Err(e)) => {
                 tracing::debug!(error = %e, "websocket read failed");
-                if frame_too_big(&e) {
-                    close = Some(close_frame(
-                        close_code::SIZE,
-                        "frame larger than the gateway accepts",
-                    ));
-                }
-                break;
+                break frame_too_big(&e).then(|| {
+                    close_frame(close_code::SIZE, "frame larger than the gateway accepts")
+                });
             }
         };
-        let read_at = Instant::now();
-        let decoded = frames::decode(encoding, &bytes);
-        if gateway.config.clock.unix_seconds() >= session.expires_at_unix {
-            // Answer the frame that found the token expired, named like any
-            // other answer, then end the connection.
-            let to = match &decoded {
-                Ok(Inbound::Send(cmd)) => ReplyTo::send(cmd),
-                Ok(Inbound::History(cmd)) => ReplyTo::history(cmd),
-                Err((to, _)) => to.clone(),
-            };
-            let is_send = to.reference.is_none();
-            let reply = frames::encode(
-                encoding,
-                Outbound::Error {
-                    to,
-                    error: Error::unauthenticated("token has expired; reconnect with a new one"),
-                },
-            );
-            if is_send {
-                gateway.metrics().send_answered(
-                    Err(imdedup_domain::ErrorKind::Unauthenticated),
-                    read_at.elapsed(),
-                );
-            }
-            let _ = out.send(message(reply)).await;
-            close = Some(close_frame(close_code::POLICY, "token expired"));
+        if let Err(close) = connection.take(encoding, &bytes).await {
+            break close;
+        }
+    };
+    connection.finish(close).await;
+    let _ = writer.await;
+}
+
+/// Write every reply already queued, then flush once: under load one write
+/// carries many small ACKs, and none waits for a later one.
+async fn write_replies(
+    mut sink: futures_util::stream::SplitSink<WebSocket, Message>,
+    mut outgoing: mpsc::Receiver<Message>,
+) {
+    'writing: while let Some(first) = outgoing.recv().await {
+        if sink.feed(first).await.is_err() {
             break;
         }
-        let inbound = match decoded {
-            Ok(inbound) => inbound,
+        for _ in 0..64 {
+            let Ok(next) = outgoing.try_recv() else {
+                break;
+            };
+            if sink.feed(next).await.is_err() {
+                break 'writing;
+            }
+        }
+        if sink.flush().await.is_err() {
+            break;
+        }
+    }
+    let _ = sink.close().await;
+}
+
+/// A connection's reading side: what it has taken in and not answered yet.
+struct Connection {
+    gateway: Arc<Gateway>,
+    session: Session,
+    /// Replies, to the socket's writer.
+    out: mpsc::Sender<Message>,
+    /// The connection's places for sends and pulls in flight.
+    in_flight: Arc<Semaphore>,
+    pulls: Arc<Semaphore>,
+    /// Every send and pull taken in, answered before the connection closes.
+    tasks: TaskTracker,
+    order: SendOrder,
+    held: HeldSends,
+}
+
+impl Connection {
+    /// Take in one frame: answer it at once (a refusal, `queued`) or start
+    /// its work. `Err` ends the connection, with the close frame to send if
+    /// any.
+    async fn take(&mut self, encoding: Encoding, bytes: &[u8]) -> Result<(), Option<CloseFrame>> {
+        let read_at = Instant::now();
+        let decoded = frames::decode(encoding, bytes);
+        if self.gateway.config.clock.unix_seconds() >= self.session.expires_at_unix {
+            self.answer_expired(encoding, &decoded, read_at).await;
+            return Err(Some(close_frame(close_code::POLICY, "token expired")));
+        }
+        let work = decoded.and_then(|inbound| self.admit(inbound));
+        let work = match work {
+            Ok(work) => work,
             Err((to, error)) => {
-                refuse(&gateway, &out, encoding, to, error, read_at).await;
-                continue;
+                refuse(&self.gateway, &self.out, encoding, to, error, read_at).await;
+                return Ok(());
             }
         };
-        // Limits of the user and the gateway: refused at once, with when
-        // to come back, rather than queued. A copy of a send in flight
-        // joins it instead.
-        let work = match inbound {
+        let reply = Reply {
+            gateway: Arc::clone(&self.gateway),
+            out: self.out.clone(),
+            encoding,
+            read_at,
+        };
+        let (work, turn) = match work {
+            Work::Send(cmd, AdmittedSend::Held(hold)) => {
+                self.hold(reply, cmd, hold).await;
+                return Ok(());
+            }
+            // A joined copy stores nothing, so it takes no turn.
+            Work::Send(cmd, AdmittedSend::Lead { pass, leader }) => {
+                let turn = self.order.next(&cmd.conversation);
+                (
+                    Work::Send(cmd, AdmittedSend::Lead { pass, leader }),
+                    Some(turn),
+                )
+            }
+            work @ (Work::Send(..) | Work::Pull(..)) => (work, None),
+        };
+        // Waiting here stops reading: a phone cannot queue unbounded work.
+        let Ok(permit) = Arc::clone(&self.in_flight).acquire_owned().await else {
+            return Err(None);
+        };
+        let sender = self.session.sender.clone();
+        self.tasks.spawn(async move {
+            serve(reply, sender, work, turn).await;
+            drop(permit);
+        });
+        Ok(())
+    }
+
+    /// Answer the frame that found the token expired, named like any other
+    /// answer.
+    async fn answer_expired(
+        &self,
+        encoding: Encoding,
+        decoded: &Result<Inbound, (ReplyTo, Error)>,
+        read_at: Instant,
+    ) {
+        let to = match decoded {
+            Ok(Inbound::Send(cmd)) => ReplyTo::send(cmd),
+            Ok(Inbound::History(cmd)) => ReplyTo::history(cmd),
+            Err((to, _)) => to.clone(),
+        };
+        let error = Error::unauthenticated("token has expired; reconnect with a new one");
+        refuse(&self.gateway, &self.out, encoding, to, error, read_at).await;
+    }
+
+    /// The limits of the user and the gateway: refused at once, with when
+    /// to come back, rather than queued. A copy of a send in flight joins
+    /// it instead.
+    fn admit(&self, inbound: Inbound) -> Result<Work, (ReplyTo, Error)> {
+        match inbound {
             Inbound::Send(cmd) => {
-                let behind_held = cmd.queue && held.waiting(&cmd.conversation);
-                match gateway.admit_send(&session.sender, &cmd, behind_held) {
+                let behind_held = cmd.queue && self.held.waiting(&cmd.conversation);
+                match self
+                    .gateway
+                    .admit_send(&self.session.sender, &cmd, behind_held)
+                {
                     Ok(admitted) => Ok(Work::Send(cmd, admitted)),
                     Err(error) => Err((ReplyTo::send(&cmd), error)),
                 }
             }
-            Inbound::History(cmd) => match Arc::clone(&pulls).try_acquire_owned() {
+            Inbound::History(cmd) => match Arc::clone(&self.pulls).try_acquire_owned() {
                 Ok(permit) => Ok(Work::Pull(cmd, permit)),
                 Err(_) => {
-                    gateway.metrics().limited("history_pulls");
+                    self.gateway.metrics().limited("history_pulls");
                     Err((
                         ReplyTo::history(&cmd),
                         Error::overloaded(
@@ -173,104 +235,80 @@ pub async fn run(
                     ))
                 }
             },
-        };
-        let work = match work {
-            Ok(work) => work,
-            Err((to, error)) => {
-                refuse(&gateway, &out, encoding, to, error, read_at).await;
-                continue;
-            }
-        };
-        let work = match work {
-            // Answered `queued` now, and sent when its appointment comes,
-            // without a place of the connection's: what the gateway holds
-            // is bounded by its budget for held sends and the user's rate.
-            Work::Send(cmd, AdmittedSend::Held(hold)) => {
-                let turn = order.next(&cmd.conversation);
-                held.hold(&cmd.conversation, hold.wait);
-                let queued = Outbound::Queued {
-                    id: cmd.id.clone(),
-                    id_b64: cmd.id_b64,
-                    retry_after: hold.wait + QUEUED_GRACE,
-                };
-                let _ = out.send(message(frames::encode(encoding, queued))).await;
-                let reply = Reply {
-                    gateway: Arc::clone(&gateway),
-                    out: out.clone(),
-                    encoding,
-                    read_at,
-                };
-                let sender = session.sender.clone();
-                let closing = held.closing.clone();
-                tasks.spawn(serve_held(reply, sender, cmd, hold, turn, closing));
-                continue;
-            }
-            work => work,
-        };
-        // Waiting here stops reading: a phone cannot queue unbounded work.
-        let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else {
-            break;
-        };
-        let gateway = Arc::clone(&gateway);
-        let sender = session.sender.clone();
-        let out = out.clone();
-        // A joined copy stores nothing, so it takes no turn.
-        let turn = match &work {
-            Work::Send(cmd, AdmittedSend::Lead { .. }) => Some(order.next(&cmd.conversation)),
-            Work::Send(_, AdmittedSend::Join(_) | AdmittedSend::Held(_)) | Work::Pull(..) => None,
-        };
-        tasks.spawn(async move {
-            match work {
-                Work::Send(cmd, admitted) => {
-                    let in_flight = gateway.metrics().send_started();
-                    let to = ReplyTo::send(&cmd);
-                    let id_b64 = cmd.id_b64;
-                    let result = match admitted {
-                        AdmittedSend::Join(first) => first.answer().await,
-                        AdmittedSend::Lead { pass, leader } => {
-                            let turn = match turn {
-                                Some(turn) => Some(turn.wait().await),
-                                None => None,
-                            };
-                            let result = send(&gateway, sender, cmd).await;
-                            // The next send of this conversation may go now.
-                            drop(turn);
-                            pass.finish(Completion::of(&result));
-                            if let Some(leader) = leader {
-                                leader.answer(&result);
-                            }
-                            result
-                        }
-                        // Taken care of before the connection's place.
-                        AdmittedSend::Held(_) => return,
-                    };
-                    let reply = Reply {
-                        gateway: Arc::clone(&gateway),
-                        out,
-                        encoding,
-                        read_at,
-                    };
-                    reply.send(to, id_b64, result, in_flight).await;
-                }
-                Work::Pull(cmd, pull) => {
-                    let reply = history(&gateway, &sender, cmd).await;
-                    let _ = out.send(message(frames::encode(encoding, reply))).await;
-                    drop(pull);
-                }
-            }
-            drop(permit);
-        });
+        }
     }
-    // Every frame read so far is answered before the connection closes;
-    // held sends not started yet are answered `unavailable` (not stored).
-    held.closing.cancel();
-    tasks.close();
-    tasks.wait().await;
-    if let Some(frame) = close {
-        let _ = out.send(Message::Close(Some(frame))).await;
+
+    /// Answer `queued` now, and send it when its appointment comes, without
+    /// a place of the connection's: what the gateway holds is bounded by
+    /// its budget for held sends and the user's rate.
+    async fn hold(&mut self, reply: Reply, cmd: SendCmd, hold: Held) {
+        let turn = self.order.next(&cmd.conversation);
+        self.held.hold(&cmd.conversation, hold.wait);
+        let queued = Outbound::Queued {
+            id: cmd.id.clone(),
+            id_b64: cmd.id_b64,
+            retry_after: hold.wait + QUEUED_GRACE,
+        };
+        let _ = self
+            .out
+            .send(message(frames::encode(reply.encoding, queued)))
+            .await;
+        let sender = self.session.sender.clone();
+        let closing = self.held.closing.clone();
+        self.tasks
+            .spawn(serve_held(reply, sender, cmd, hold, turn, closing));
     }
-    drop(out);
-    let _ = writer.await;
+
+    /// Every frame read so far is answered before the connection closes;
+    /// held sends not started yet are answered `unavailable` (not stored).
+    /// Then the close frame, if the gateway ends the connection.
+    async fn finish(self, close: Option<CloseFrame>) {
+        self.held.closing.cancel();
+        self.tasks.close();
+        self.tasks.wait().await;
+        if let Some(frame) = close {
+            let _ = self.out.send(Message::Close(Some(frame))).await;
+        }
+    }
+}
+
+/// Do a send or a pull taken in, and answer it.
+async fn serve(reply: Reply, sender: Sender, work: Work, turn: Option<Turn>) {
+    match work {
+        Work::Send(cmd, admitted) => {
+            let in_flight = reply.gateway.metrics().send_started();
+            let to = ReplyTo::send(&cmd);
+            let id_b64 = cmd.id_b64;
+            let result = match admitted {
+                AdmittedSend::Join(first) => first.answer().await,
+                AdmittedSend::Lead { pass, leader } => {
+                    let turn = match turn {
+                        Some(turn) => Some(turn.wait().await),
+                        None => None,
+                    };
+                    let result = send(&reply.gateway, sender, cmd).await;
+                    // The next send of this conversation may go now.
+                    drop(turn);
+                    pass.finish(Completion::of(&result));
+                    if let Some(leader) = leader {
+                        leader.answer(&result);
+                    }
+                    result
+                }
+                // Taken care of before the connection's place.
+                AdmittedSend::Held(_) => return,
+            };
+            reply.send(to, id_b64, result, in_flight).await;
+        }
+        Work::Pull(cmd, pull) => {
+            let page = history(&reply.gateway, &sender, cmd).await;
+            let _ = reply
+                .out
+                .send(message(frames::encode(reply.encoding, page)))
+                .await;
+            drop(pull);
+        }
+    }
 }
 
 /// A `queued` answer asks the phone not to resend before the appointment
