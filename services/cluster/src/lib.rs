@@ -221,6 +221,149 @@ where
     Running { stop, task }
 }
 
+/// Shard `index` of the cluster on `listener`: its window and store as
+/// `imdedup ingest` builds them for the cluster's backends, its admin
+/// server, and its gRPC server.
+async fn start_ingest(
+    options: &ClusterOptions,
+    storage_url: &str,
+    shard_map: &ShardMap,
+    index: usize,
+    listener: TcpListener,
+) -> anyhow::Result<(Admin, (Running, Arc<Dedup>))> {
+    let shard_name = shard_name(index);
+    let mut registry = Registry::default();
+    let shard_metrics = shard_registry(&mut registry, &shard_name);
+    let metrics = IngestMetrics::register(shard_metrics);
+    let remote_store = || -> anyhow::Result<Arc<dyn MessageStore>> {
+        Ok(Arc::new(RemoteStore::connect_lazy(
+            storage_url,
+            options.storage_timeout,
+            &options.internal_tls,
+        )?))
+    };
+    let (window, store): (Arc<dyn RecentWindow>, Arc<dyn MessageStore>) = match &options.backends {
+        Backends::Embedded => (
+            Arc::new(
+                MemoryWindow::with_clock(options.window.clone(), Arc::clone(&options.clock))
+                    .with_metrics(metrics.window.clone()),
+            ),
+            remote_store()?,
+        ),
+        Backends::WithoutDedup => (Arc::new(ForgetfulWindow), remote_store()?),
+        // Each shard has its own window client and its own store (its own
+        // seq leases), as separate processes would.
+        Backends::Real { redis, scylla } => (
+            connecting_window(redis.clone(), metrics.window.clone()).await,
+            Arc::new(
+                ScyllaStore::open(ScyllaOptions {
+                    metrics: StoreMetrics::register(shard_metrics),
+                    member_name: shard_name.clone(),
+                    ..scylla.clone()
+                })
+                .await?,
+            ),
+        ),
+    };
+    let admin = start_admin(shard_name.clone(), registry).await?;
+    let dedup = Arc::new(
+        Dedup::new(window, Arc::clone(&store), options.storage_timeout)
+            .with_metrics(metrics)
+            .with_ownership(Ownership::new(shard_map.clone(), &shard_name)?),
+    );
+    let serving = Arc::clone(&dedup);
+    let max_body = options.max_body_bytes;
+    let serve_options = options.serving(&[names::GATEWAY])?;
+    let running = spawn("ingest", move |stop| async move {
+        let served = imdedup_ingest::serve(listener, serving, max_body, serve_options, stop).await;
+        // As the ingest process does: inserts finish, then the store leaves
+        // (its conversations free for a successor).
+        store.drain().await;
+        served
+    });
+    Ok((admin, (running, dedup)))
+}
+
+/// What every gateway of the cluster is wired to.
+struct GatewayWiring<'a> {
+    shard_map: &'a ShardMap,
+    storage_url: &'a str,
+    token_key: &'a TokenKey,
+    service_key: Option<&'a TokenKey>,
+}
+
+/// Gateway `index` (the first at the addresses the options give, the
+/// others on free ports), its admin server, and its business gRPC server
+/// when the business API is on.
+async fn start_gateway(
+    options: &ClusterOptions,
+    index: usize,
+    wiring: GatewayWiring<'_>,
+) -> anyhow::Result<(Admin, RunningGateway)> {
+    let (addr, business_addr, role) = if index == 0 {
+        (
+            options.gateway_addr,
+            options.business_grpc_addr,
+            "gateway".to_owned(),
+        )
+    } else {
+        let any = SocketAddr::from(([127, 0, 0, 1], 0));
+        (any, any, format!("gateway-{index}"))
+    };
+    let gateway_listener = bind(addr).await?;
+    let gateway_addr = gateway_listener.local_addr()?;
+    let mut gateway_registry = Registry::default();
+    let gateway_metrics = GatewayMetrics::register(&mut gateway_registry);
+    let gateway = Arc::new(
+        Gateway::new(GatewayConfig {
+            shards: wiring.shard_map.clone(),
+            storage: wiring.storage_url.to_owned(),
+            internal_tls: options.internal_tls.clone(),
+            tokens: TokenVerifier::hs256(wiring.token_key.clone()),
+            service_tokens: wiring
+                .service_key
+                .map(|key| TokenVerifier::hs256(key.clone()).for_services()),
+            authz: options.authz.clone(),
+            send_timeout: options.send_timeout,
+            max_body_bytes: options.max_body_bytes,
+            max_connections: options.max_connections,
+            max_in_flight_per_connection: options.max_in_flight_per_connection,
+            limits: options.gateway_limits.clone(),
+            clock: Arc::clone(&options.clock),
+        })?
+        .with_metrics(gateway_metrics),
+    );
+    let admin = start_admin(role, gateway_registry).await?;
+    // Business clients bring their own tokens; no mutual TLS here.
+    let business_grpc = match wiring.service_key {
+        Some(_) => {
+            let listener = bind(business_addr).await?;
+            let business_addr = listener.local_addr()?;
+            let gateway = Arc::clone(&gateway);
+            let serve_options = ServeOptions {
+                reflection: options.reflection,
+                tls: None,
+            };
+            let running = spawn("business grpc", move |stop| {
+                imdedup_gateway::business::grpc::serve(listener, gateway, serve_options, stop)
+            });
+            Some((business_addr, running))
+        }
+        None => None,
+    };
+    let running = spawn("gateway", move |stop| {
+        imdedup_gateway::serve(gateway_listener, gateway, stop)
+    });
+    Ok((
+        admin,
+        RunningGateway {
+            addr: gateway_addr,
+            running,
+            business_grpc,
+        },
+    ))
+}
+
 /// The name of shard `index` in the cluster's shard map, its metrics and
 /// its writer membership.
 fn shard_name(index: usize) -> String {
@@ -292,134 +435,22 @@ impl LocalCluster {
         )?;
         let mut ingests = Vec::new();
         for (index, listener) in listeners.into_iter().enumerate() {
-            let shard_name = shard_name(index);
-            let mut registry = Registry::default();
-            let shard_metrics = shard_registry(&mut registry, &shard_name);
-            let metrics = IngestMetrics::register(shard_metrics);
-            let (window, store): (Arc<dyn RecentWindow>, Arc<dyn MessageStore>) =
-                match &options.backends {
-                    Backends::Embedded => (
-                        Arc::new(
-                            MemoryWindow::with_clock(
-                                options.window.clone(),
-                                Arc::clone(&options.clock),
-                            )
-                            .with_metrics(metrics.window.clone()),
-                        ),
-                        Arc::new(RemoteStore::connect_lazy(
-                            &storage_url,
-                            options.storage_timeout,
-                            &options.internal_tls,
-                        )?),
-                    ),
-                    Backends::WithoutDedup => (
-                        Arc::new(ForgetfulWindow),
-                        Arc::new(RemoteStore::connect_lazy(
-                            &storage_url,
-                            options.storage_timeout,
-                            &options.internal_tls,
-                        )?),
-                    ),
-                    // Each shard has its own window client and its own store
-                    // (its own seq leases), as separate processes would.
-                    Backends::Real { redis, scylla } => (
-                        connecting_window(redis.clone(), metrics.window.clone()).await,
-                        Arc::new(
-                            ScyllaStore::open(ScyllaOptions {
-                                metrics: StoreMetrics::register(shard_metrics),
-                                member_name: shard_name.clone(),
-                                ..scylla.clone()
-                            })
-                            .await?,
-                        ),
-                    ),
-                };
-            admins.push(start_admin(shard_name.clone(), registry).await?);
-            let dedup = Arc::new(
-                Dedup::new(window, Arc::clone(&store), options.storage_timeout)
-                    .with_metrics(metrics)
-                    .with_ownership(Ownership::new(shard_map.clone(), &shard_name)?),
-            );
-            let serving = Arc::clone(&dedup);
-            let max_body = options.max_body_bytes;
-            let serve_options = options.serving(&[names::GATEWAY])?;
-            let running = spawn("ingest", move |stop| async move {
-                let served =
-                    imdedup_ingest::serve(listener, serving, max_body, serve_options, stop).await;
-                // As the ingest process does: inserts finish, then the
-                // store leaves (its conversations free for a successor).
-                store.drain().await;
-                served
-            });
-            ingests.push((running, dedup));
+            let (admin, ingest) =
+                start_ingest(&options, &storage_url, &shard_map, index, listener).await?;
+            admins.push(admin);
+            ingests.push(ingest);
         }
-
         let mut gateways = Vec::new();
         for index in 0..options.gateways.max(1) {
-            let (addr, business_addr, role) = if index == 0 {
-                (
-                    options.gateway_addr,
-                    options.business_grpc_addr,
-                    "gateway".to_owned(),
-                )
-            } else {
-                let any = SocketAddr::from(([127, 0, 0, 1], 0));
-                (any, any, format!("gateway-{index}"))
+            let wiring = GatewayWiring {
+                shard_map: &shard_map,
+                storage_url: &storage_url,
+                token_key: &token_key,
+                service_key: service_key.as_ref(),
             };
-            let gateway_listener = bind(addr).await?;
-            let gateway_addr = gateway_listener.local_addr()?;
-            let mut gateway_registry = Registry::default();
-            let gateway_metrics = GatewayMetrics::register(&mut gateway_registry);
-            let gateway = Arc::new(
-                Gateway::new(GatewayConfig {
-                    shards: shard_map.clone(),
-                    storage: storage_url.clone(),
-                    internal_tls: options.internal_tls.clone(),
-                    tokens: TokenVerifier::hs256(token_key.clone()),
-                    service_tokens: service_key
-                        .clone()
-                        .map(|key| TokenVerifier::hs256(key).for_services()),
-                    authz: options.authz.clone(),
-                    send_timeout: options.send_timeout,
-                    max_body_bytes: options.max_body_bytes,
-                    max_connections: options.max_connections,
-                    max_in_flight_per_connection: options.max_in_flight_per_connection,
-                    limits: options.gateway_limits.clone(),
-                    clock: Arc::clone(&options.clock),
-                })?
-                .with_metrics(gateway_metrics),
-            );
-            admins.push(start_admin(role, gateway_registry).await?);
-            // Business clients bring their own tokens; no mutual TLS here.
-            let business_grpc = match service_key {
-                Some(_) => {
-                    let listener = bind(business_addr).await?;
-                    let business_addr = listener.local_addr()?;
-                    let gateway = Arc::clone(&gateway);
-                    let serve_options = ServeOptions {
-                        reflection: options.reflection,
-                        tls: None,
-                    };
-                    let running = spawn("business grpc", move |stop| {
-                        imdedup_gateway::business::grpc::serve(
-                            listener,
-                            gateway,
-                            serve_options,
-                            stop,
-                        )
-                    });
-                    Some((business_addr, running))
-                }
-                None => None,
-            };
-            let running = spawn("gateway", move |stop| {
-                imdedup_gateway::serve(gateway_listener, gateway, stop)
-            });
-            gateways.push(RunningGateway {
-                addr: gateway_addr,
-                running,
-                business_grpc,
-            });
+            let (admin, gateway) = start_gateway(&options, index, wiring).await?;
+            admins.push(admin);
+            gateways.push(gateway);
         }
 
         Ok(Self {
