@@ -167,7 +167,11 @@ impl Inner {
             s.receipt == pending.receipt && s.conversation == pending.conversation
         });
         if holds {
-            self.commit(pending).await?;
+            // The reader's pull fails, retryably; for a reader the row is
+            // not a send of its own that "may be stored".
+            self.commit(pending)
+                .await
+                .map_err(|e| Error::unavailable(e.message().to_owned()))?;
         } else {
             self.abandon(pending).await?;
         }
