@@ -156,7 +156,16 @@ impl ScyllaStore {
     ) -> Result<Self, Error> {
         check_keyspace_name(&options.keyspace)?;
         let ks = &options.keyspace;
+        const COLUMNS: &str =
+            "sender, client_msg_id, conversation, body, server_id, seq, stored_at_ms";
+        let insert_key_cql = format!(
+            "INSERT INTO {ks}.messages_by_key ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?) IF NOT EXISTS"
+        );
         let prepare = |cql: String, kind: RequestKind| {
+            // Every request but an LWT is safe to send twice, and so is the
+            // unique key's: a second copy finds the row the first one
+            // wrote, which `Inner::insert` takes as its own.
+            let idempotent = kind != RequestKind::Lwt || cql == insert_key_cql;
             let session = Arc::clone(&session);
             let options = options.clone();
             async move {
@@ -180,15 +189,13 @@ impl ScyllaStore {
                                 scylla::statement::Consistency::LocalSerial
                             }
                         });
-                        statement.set_is_idempotent(true);
                     }
-                    RequestKind::Write | RequestKind::Read => statement.set_is_idempotent(true),
+                    RequestKind::Write | RequestKind::Read => {}
                 }
+                statement.set_is_idempotent(idempotent);
                 Ok::<_, Error>(Counted::new(statement, kind, &options.metrics))
             }
         };
-        const COLUMNS: &str =
-            "sender, client_msg_id, conversation, body, server_id, seq, stored_at_ms";
         let serial = prepare(
             format!(
                 "SELECT {COLUMNS} FROM {ks}.messages_by_key WHERE sender = ? AND client_msg_id = ?"
@@ -197,12 +204,7 @@ impl ScyllaStore {
         )
         .await?;
         let statements = Statements {
-            insert_key: prepare(
-                format!(
-                    "INSERT INTO {ks}.messages_by_key ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?) IF NOT EXISTS"
-                ),
-                RequestKind::Lwt,
-            )
+            insert_key: prepare(insert_key_cql.clone(), RequestKind::Lwt)
             .await?,
             insert_pending: prepare(
                 format!(
@@ -306,6 +308,15 @@ fn columns(row: &StoredMessage) -> (&str, &[u8], &str, &str, i64, i64, i64) {
     )
 }
 
+/// What an LWT that was not applied found in the key: the original, or
+/// `None` when it is `row` itself. The driver sends the LWT again to another
+/// replica when the first is slow to answer; when both copies ran, the one
+/// answered second finds the row the other wrote. The receipt tells them
+/// apart: a server id is never handed out twice.
+fn original_of(existing: StoredMessage, row: &StoredMessage) -> Option<StoredMessage> {
+    (existing.receipt != row.receipt).then_some(existing)
+}
+
 fn unix_millis() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -391,13 +402,14 @@ impl Inner {
                 return Err(maybe_stored("insert", e));
             }
         };
-        self.options.metrics.inserted(DB_CASSANDRA, applied);
-        // Not applied: the key holds the original.
         let original = if applied {
             None
         } else {
-            Some(existing.into_message()?)
+            original_of(existing.into_message()?, &row)
         };
+        self.options
+            .metrics
+            .inserted(DB_CASSANDRA, original.is_none());
         if let Some(earlier) = self.in_doubt.remove(&row.key) {
             // The key's fate is known now: an earlier try whose LWT failed
             // either stored it (the row it left is the original, committed
@@ -495,5 +507,33 @@ impl MessageStore for ScyllaStore {
         self.inner.running.wait().await;
         // Every write of ours has ended: others may take our conversations.
         self.inner.member.relinquish().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use imdedup_domain::model::{ClientMsgId, ConversationId, Sender};
+
+    use super::*;
+
+    fn row(server_id: u64, seq: u64) -> StoredMessage {
+        StoredMessage {
+            key: MessageKey {
+                sender: Sender::parse("ana").unwrap(),
+                client_msg_id: ClientMsgId::parse(b"m-1".to_vec()).unwrap(),
+            },
+            conversation: ConversationId::parse("dm:ana:ben").unwrap(),
+            body: "hi".to_owned(),
+            receipt: Receipt { server_id, seq },
+            stored_at_ms: 1,
+        }
+    }
+
+    #[test]
+    fn a_key_holding_this_very_row_is_not_a_repeat() {
+        // A second copy of the same LWT: the key holds what the first wrote.
+        assert_eq!(original_of(row(7, 3), &row(7, 3)), None);
+        // An earlier send of the same ID: its receipt is another.
+        assert_eq!(original_of(row(5, 2), &row(7, 3)), Some(row(5, 2)));
     }
 }

@@ -10,7 +10,10 @@ use scylla::{
     client::{
         execution_profile::ExecutionProfile, session::Session, session_builder::SessionBuilder,
     },
-    policies::{load_balancing::DefaultPolicy, timestamp_generator::MonotonicTimestampGenerator},
+    policies::{
+        load_balancing::DefaultPolicy, speculative_execution::SimpleSpeculativeExecutionPolicy,
+        timestamp_generator::MonotonicTimestampGenerator,
+    },
     statement::SerialConsistency,
 };
 
@@ -37,17 +40,27 @@ pub async fn connect(options: &ScyllaOptions) -> Result<Session, Error> {
     if let Some(ca) = &options.tls_ca {
         builder = builder.tls_context(Some(tls_config(ca)?));
     }
+    // A replica that stops answering (a long GC pause, a frozen VM) keeps
+    // its connections open, and the driver notices only after its
+    // keepalives go unanswered for up to a minute. Meanwhile an idempotent
+    // request (every write and read of ours, and the unique key's LWT, see
+    // `Inner::insert`) that has had no answer for half its time is sent
+    // once more, to the next replica in its plan.
+    let mut profile = ExecutionProfile::builder().speculative_execution_policy(Some(Arc::new(
+        SimpleSpeculativeExecutionPolicy {
+            max_retry_count: 1,
+            retry_interval: options.request_timeout / 2,
+        },
+    )));
     if let Some(dc) = &options.local_dc {
         let policy = DefaultPolicy::builder()
             .prefer_datacenter(dc.clone())
             .permit_dc_failover(false)
             .token_aware(true)
             .build();
-        let profile = ExecutionProfile::builder()
-            .load_balancing_policy(policy)
-            .build();
-        builder = builder.default_execution_profile_handle(profile.into_handle());
+        profile = profile.load_balancing_policy(policy);
     }
+    builder = builder.default_execution_profile_handle(profile.build().into_handle());
     let session = builder.build().await.map_err(|e| db_error("connect", e))?;
     let datacenters: BTreeSet<String> = session
         .get_cluster_state()
