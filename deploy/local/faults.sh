@@ -18,11 +18,19 @@
 #
 #   deploy/local/faults.sh [--rate 200] [--duration 20] [--only NAME]
 #   deploy/local/faults.sh --cassandra-cluster   (the database's faults, below)
+#   deploy/local/faults.sh --redis-cluster       (a Redis master killed, below)
 #
-# With --cassandra-cluster, three other scenarios run on services.sh's opt-in
+# With --cassandra-cluster, four other scenarios run on services.sh's opt-in
 # three-node Cassandra cluster (RF 3, LOCAL_QUORUM, LOCAL_SERIAL), not in the
 # suite: node-sigkill (node3 killed, back later), node-pause (node2 SIGSTOPped
-# for 10 s, like a long GC pause), two-nodes-down (no quorum for 6 s).
+# for 10 s, like a long GC pause), two-nodes-down (no quorum for 6 s),
+# node-restart-2-3-shards (node3 stopped and started again while a third
+# ingest shard joins and every service rolls onto the new map).
+#
+# With --redis-cluster, one scenario runs on services.sh's Redis Cluster
+# (three masters, a replica each), not in the suite: redis-master-killed (a
+# master SIGKILLed mid-run; the window is bypassed until its replica takes
+# over the slots, about 5-7 s with the harness's 5 s node timeout).
 #
 # Uses the services of deploy/local/services.sh (started if not running) and
 # builds target/debug/imdedup (with the `testing` feature: the fault-injection
@@ -43,6 +51,12 @@ case " $* " in
     eval "$(deploy/local/services.sh up --redis --cassandra-cluster)"
     scylla=$IMDEDUP_TEST_SCYLLA_CLUSTER
     export IMDEDUP_CASSANDRA_CLUSTER_DIR
+    ;;
+  *" --redis-cluster "*)
+    # A Redis master killed: the window on services.sh's Redis Cluster.
+    eval "$(deploy/local/services.sh up --redis --cassandra --redis-cluster)"
+    scylla=$IMDEDUP_TEST_SCYLLA
+    IMDEDUP_TEST_REDIS_URL=$IMDEDUP_TEST_REDIS_CLUSTER
     ;;
   *)
     if [ -z "${IMDEDUP_TEST_REDIS_URL:-}" ] || [ -z "$scylla" ]; then

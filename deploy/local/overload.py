@@ -288,6 +288,7 @@ def probe_capacity(args, tmp: Path, label: str) -> float:
         redis.start()
         cluster = Cluster(argparse.Namespace(**{**vars(args), "redis": redis.url()}), procs,
                           f"o{uuid.uuid4().hex[:10]}", 2, {"RUST_LOG": "warn"})
+        cluster.migrate()
         cluster.up()
         # Enough phones that none goes over the gateway's per-user rate.
         probe = run_load(args, cluster, tmp / f"{label}.json", PROBE_RATE, 8, losses=False,
@@ -472,6 +473,7 @@ def main() -> int:
             cluster = Cluster(argparse.Namespace(**{**vars(args), "redis": redis.url()}), procs,
                               keyspace, 2, {"RUST_LOG": "warn"})
             log(f"{name}: {rate:.0f}/s, a cluster in keyspace {keyspace} (new tables)")
+            cluster.migrate()
             cluster.up()
             faults = Faults(redis, cassandra)
             report = run_load(args, cluster, tmp / f"{name}.json", rate, duration, losses=False,

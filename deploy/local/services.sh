@@ -23,7 +23,7 @@ STATE=${IMDEDUP_STATE:-/tmp/imdedup-services}
 HOST=127.0.0.1
 
 REDIS_PORT=${IMDEDUP_REDIS_PORT:-6390}
-CLUSTER_BASE_PORT=${IMDEDUP_REDIS_CLUSTER_PORT:-7101}   # uses PORT..PORT+2 and bus ports +10000
+CLUSTER_BASE_PORT=${IMDEDUP_REDIS_CLUSTER_PORT:-7101}   # uses PORT..PORT+5 and bus ports +10000
 CQL_PORT=${IMDEDUP_CQL_PORT:-9142}
 CASS_STORAGE_PORT=${IMDEDUP_CASSANDRA_STORAGE_PORT:-7190}
 CASS_JMX_PORT=${IMDEDUP_CASSANDRA_JMX_PORT:-}            # empty: JMX disabled
@@ -187,9 +187,13 @@ up_redis() {
   log "redis ready on $HOST:$port ($(elapsed "$t0")s)"
 }
 
+# Three masters, each with a replica (so a master killed is replaced by its
+# replica, as in a deployed Redis Cluster).
+cluster_default_ports() { seq -s ' ' "$CLUSTER_BASE_PORT" "$((CLUSTER_BASE_PORT + 5))"; }
+
 cluster_ports() { # from state if present, else from env
   local f="$STATE/redis-cluster/ports"
-  if [ -s "$f" ]; then cat "$f"; else echo "$CLUSTER_BASE_PORT $((CLUSTER_BASE_PORT + 1)) $((CLUSTER_BASE_PORT + 2))"; fi
+  if [ -s "$f" ]; then cat "$f"; else cluster_default_ports; fi
 }
 
 cluster_healthy() {
@@ -213,7 +217,7 @@ up_redis_cluster() {
   done
   for pid in ${old[@]+"${old[@]}"}; do stop_pid "${pid%%:*}" "redis-cluster:${pid#*:}" 10 nosignal; done
   rm -rf "$base"
-  local ports="$CLUSTER_BASE_PORT $((CLUSTER_BASE_PORT + 1)) $((CLUSTER_BASE_PORT + 2))"
+  local ports; ports=$(cluster_default_ports)
   for p in $ports; do
     require_free_port "$p" IMDEDUP_REDIS_CLUSTER_PORT
     require_free_port "$((p + 10000))" IMDEDUP_REDIS_CLUSTER_PORT
@@ -227,7 +231,7 @@ up_redis_cluster() {
   done
   local addrs=()
   for p in $ports; do redis_wait "$base/$p" "$p" "redis-cluster:$p"; addrs+=("$HOST:$p"); done
-  timeout 60 redis-cli --cluster create "${addrs[@]}" --cluster-replicas 0 --cluster-yes \
+  timeout 60 redis-cli --cluster create "${addrs[@]}" --cluster-replicas 1 --cluster-yes \
     >"$base/create.log" 2>&1 || { tail -n 20 "$base/create.log" >&2; die "redis-cli --cluster create failed (log: $base/create.log)"; }
   local deadline=$((SECONDS + 30))
   until cluster_healthy; do
