@@ -5,10 +5,11 @@ use imdedup_testkit::{
     backends::real,
     conformance::window::{RECEIPT, conforms},
     fixtures::{key, tag},
+    process::{Process, wait_listening},
 };
 use std::{
     net::TcpListener,
-    process::{Child, Command, Stdio},
+    process::{Command, Stdio},
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -112,12 +113,13 @@ async fn redis_cluster_window_conforms() {
 /// A redis-server of this test's own, so it can be killed.
 struct OwnRedis {
     port: u16,
-    child: Child,
+    process: Process,
 }
 
 impl OwnRedis {
     fn start(port: u16) -> Self {
-        let child = Command::new("redis-server")
+        let mut command = Command::new("redis-server");
+        command
             .args([
                 "--port",
                 &port.to_string(),
@@ -128,20 +130,18 @@ impl OwnRedis {
                 "--appendonly",
                 "no",
             ])
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("redis-server is on PATH (deploy/local/services.sh installs it)");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "redis-server did not start");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        Self { port, child }
+            .stdout(Stdio::null());
+        // redis-server is on PATH: deploy/local/services.sh installs it.
+        let process = Process::spawn(command);
+        wait_listening(
+            std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+            Duration::from_secs(10),
+        );
+        Self { port, process }
     }
 
-    fn kill(mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+    fn kill(self) {
+        self.process.kill();
     }
 }
 

@@ -2,37 +2,20 @@
 //! need them apart (SIGTERM, one trace across processes).
 
 use std::{
-    net::{SocketAddr, TcpListener, TcpStream},
+    net::SocketAddr,
     path::Path,
     process::{Child, Command, ExitStatus, Stdio},
-    time::{Duration, Instant},
+    time::Duration,
 };
+
+use imdedup_testkit::process::Process;
+pub use imdedup_testkit::process::free_addr;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_imdedup");
 
-/// A loopback address nothing listens on right now, below the kernel's
-/// ephemeral range (32768 and up): a port from that range can be taken by
-/// any outgoing connection between this check and the service's bind.
-pub fn free_addr() -> SocketAddr {
-    use std::sync::atomic::{AtomicU16, Ordering};
-    // Spread over processes (test binaries run side by side) by the pid.
-    static NEXT: AtomicU16 = AtomicU16::new(0);
-    let base = 20_000 + (std::process::id() % 100) as u16 * 120;
-    loop {
-        let port = base + NEXT.fetch_add(1, Ordering::Relaxed) % 120;
-        if let Ok(listener) = TcpListener::bind(("127.0.0.1", port)) {
-            return listener.local_addr().unwrap();
-        }
-    }
-}
-
-/// Wait until something accepts connections on `addr`.
+/// Wait until something accepts connections on `addr` (a service started).
 pub fn wait_listening(addr: SocketAddr) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while TcpStream::connect(addr).is_err() {
-        assert!(Instant::now() < deadline, "nothing listens on {addr}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    imdedup_testkit::process::wait_listening(addr, Duration::from_secs(10));
 }
 
 /// `imdedup <args>` with its data in `data_dir`, quiet but for warnings.
@@ -100,16 +83,16 @@ pub fn gateway_args(
 }
 
 /// A service process; killed when dropped.
-pub struct Service(Child);
+pub struct Service(Process);
 
 impl Service {
-    pub fn spawn(mut command: Command) -> Self {
-        Self(command.spawn().unwrap())
+    pub fn spawn(command: Command) -> Self {
+        Self(Process::spawn(command))
     }
 
     #[allow(dead_code, reason = "not every test binary reads a service's output")]
     pub fn from_child(child: Child) -> Self {
-        Self(child)
+        Self(Process::from_child(child))
     }
 
     #[allow(dead_code, reason = "not every test binary stops services gently")]
@@ -119,29 +102,7 @@ impl Service {
 
     /// SIGTERM, then the exit status within the grace period.
     #[allow(dead_code, reason = "not every test binary stops services gently")]
-    pub fn terminate(mut self) -> ExitStatus {
-        let pid = self.0.id().to_string();
-        assert!(
-            Command::new("kill")
-                .args(["-TERM", &pid])
-                .status()
-                .unwrap()
-                .success()
-        );
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            if let Some(status) = self.0.try_wait().unwrap() {
-                return status;
-            }
-            assert!(Instant::now() < deadline, "service ignored SIGTERM");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Service {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+    pub fn terminate(self) -> ExitStatus {
+        self.0.terminate(Duration::from_secs(15))
     }
 }
