@@ -199,8 +199,8 @@ pub struct LocalCluster {
     service_key: Option<TokenKey>,
     storage_addr: SocketAddr,
     storage: Option<Running>,
-    ingest_addrs: Vec<SocketAddr>,
-    /// Which shard answers which conversation, as the gateways route.
+    /// Which shard answers which conversation, as the gateways route (and
+    /// where each shard listens).
     shard_map: ShardMap,
     ingests: Vec<(Running, Arc<Dedup>)>,
     gateways: Vec<RunningGateway>,
@@ -461,7 +461,6 @@ impl LocalCluster {
             service_key,
             storage_addr,
             storage,
-            ingest_addrs,
             shard_map,
             ingests,
             gateways,
@@ -507,9 +506,10 @@ impl LocalCluster {
 
     /// `http://…` URLs of the ingest shards' gRPC servers.
     pub fn ingest_urls(&self) -> Vec<String> {
-        self.ingest_addrs
+        self.shard_map
+            .shards()
             .iter()
-            .map(|a| format!("http://{a}"))
+            .map(|shard| shard.url.clone())
             .collect()
     }
 

@@ -163,20 +163,17 @@ impl Connection {
             encoding,
             read_at,
         };
-        let (work, turn) = match work {
+        let work = match work {
             Work::Send(cmd, AdmittedSend::Held(hold)) => {
                 self.hold(reply, cmd, hold).await;
                 return Ok(());
             }
-            // A joined copy stores nothing, so it takes no turn.
-            Work::Send(cmd, AdmittedSend::Lead { pass, leader }) => {
-                let turn = self.order.next(&cmd.conversation);
-                (
-                    Work::Send(cmd, AdmittedSend::Lead { pass, leader }),
-                    Some(turn),
-                )
-            }
-            work @ (Work::Send(..) | Work::Pull(..)) => (work, None),
+            work => work,
+        };
+        // A joined copy stores nothing, so it takes no turn.
+        let turn = match &work {
+            Work::Send(cmd, AdmittedSend::Lead { .. }) => Some(self.order.next(&cmd.conversation)),
+            Work::Send(..) | Work::Pull(..) => None,
         };
         // Waiting here stops reading: a phone cannot queue unbounded work.
         let Ok(permit) = Arc::clone(&self.in_flight).acquire_owned().await else {
