@@ -10,7 +10,7 @@
 #      same image as the default last stage, `image`, but with the host's
 #      binaries (debug info stripped from copies of them) instead of the
 #      Rust builder stage, whose base image cannot be pulled here;
-#   4. makes the Redis image that deploy/image/cluster.sh uses, from the same
+#   4. makes the Redis image that tests/image/cluster.sh uses, from the same
 #      Debian release with redis-server.
 #
 #   deploy/image/build.sh            # -> localhost/imdedup:<version>, localhost/imdedup:dev,

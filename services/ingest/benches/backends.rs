@@ -1,5 +1,5 @@
 //! Backend benchmark: prints, in one run against the real Redis and CQL
-//! database of `deploy/local/services.sh`,
+//! database of `tests/services/services.sh`,
 //! 1. the raw rate of `INSERT … IF NOT EXISTS` against the database alone
 //!    (the ceiling);
 //! 2. the ingest pipeline's rate of new messages (Redis claim, LWT insert,
@@ -9,7 +9,7 @@
 //!    counted by a store wrapper;
 //! 4. Redis memory per remembered ID (used_memory delta / keys).
 //!
-//! Run: `eval "$(deploy/local/services.sh up)"; cargo bench -p imdedup-ingest --bench backends`
+//! Run: `eval "$(tests/services/services.sh up)"; cargo bench -p imdedup-ingest --bench backends`
 //! Steps 1 and 2 run as BENCH_ROUNDS (5) rounds that alternate which goes
 //! first, and report medians: wall-clock rates on a shared box drift, the
 //! ratio measured side by side much less.
@@ -69,7 +69,7 @@ fn per_message(before: [u64; 4], after: [u64; 4], messages: usize) -> [f64; 4] {
 
 fn required(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| {
-        eprintln!("{name} is not set: run `eval \"$(deploy/local/services.sh up)\"` first");
+        eprintln!("{name} is not set: run `eval \"$(tests/services/services.sh up)\"` first");
         std::process::exit(2);
     })
 }

@@ -131,7 +131,7 @@ impl OwnRedis {
                 "no",
             ])
             .stdout(Stdio::null());
-        // redis-server is on PATH: deploy/local/services.sh installs it.
+        // redis-server is on PATH: tests/services/services.sh installs it.
         let process = Process::spawn(command);
         wait_listening(
             std::net::SocketAddr::from(([127, 0, 0, 1], port)),

@@ -5,7 +5,7 @@
 //!
 //! Opt-in (ignored in the suite, which does not start a cluster): run it on
 //! services.sh's three-node cluster with
-//! `eval "$(deploy/local/services.sh up --cassandra-cluster)"` and
+//! `eval "$(tests/services/services.sh up --cassandra-cluster)"` and
 //! `cargo test -p imdedup-storage --test scylla_replicas -- --ignored`.
 
 use std::{collections::HashSet, net::IpAddr};
@@ -17,7 +17,7 @@ use imdedup_storage::{ScyllaOptions, scylla};
 async fn the_unique_keys_lwt_is_coordinated_by_the_replica_of_its_partition() {
     let nodes = std::env::var("IMDEDUP_TEST_SCYLLA_CLUSTER").expect(
         "IMDEDUP_TEST_SCYLLA_CLUSTER is not set: \
-         eval \"$(deploy/local/services.sh up --cassandra-cluster)\" first",
+         eval \"$(tests/services/services.sh up --cassandra-cluster)\" first",
     );
     let mut options = ScyllaOptions::new(nodes.split(',').map(str::to_owned).collect());
     options.keyspace = format!("r{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);

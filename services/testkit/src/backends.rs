@@ -1,6 +1,6 @@
 //! The one policy for tests that need the real Redis and CQL database: their
-//! endpoints come from the environment `deploy/local/test.sh` sets up
-//! (`deploy/local/services.sh up` prints it). A missing endpoint fails the
+//! endpoints come from the environment `tests/run.sh` sets up
+//! (`tests/services/services.sh up` prints it). A missing endpoint fails the
 //! test, so a suite cannot pass by skipping them unnoticed, unless
 //! `IMDEDUP_SKIP_REAL_BACKENDS=1` says to skip on purpose.
 
@@ -24,8 +24,8 @@ pub fn real(var: &str) -> Option<String> {
             None
         }
         Err(_) => panic!(
-            "{var} is not set: run the tests with deploy/local/test.sh, or start the \
-             services with `eval \"$(deploy/local/services.sh up)\"` ({SKIP}=1 skips them)"
+            "{var} is not set: run the tests with tests/run.sh, or start the \
+             services with `eval \"$(tests/services/services.sh up)\"` ({SKIP}=1 skips them)"
         ),
     }
 }

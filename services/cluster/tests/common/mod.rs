@@ -16,7 +16,7 @@ use imdedup_storage::ScyllaOptions;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
     Embedded,
-    /// Redis and the CQL database from `deploy/local/services.sh`.
+    /// Redis and the CQL database from `tests/services/services.sh`.
     Real,
 }
 

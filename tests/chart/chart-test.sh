@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The Helm chart's offline checks (part of deploy/local/test.sh):
+# The Helm chart's offline checks (part of tests/run.sh):
 #
 #   - helm lint --strict with the default values, each k8s/imdedup/ci/*.yaml
 #     and each k8s/examples/imdedup-*.yaml
@@ -12,20 +12,20 @@
 #   - the README's parameter tables are what readme-generator makes of
 #     values.yaml
 #   - helm-unittest suites in k8s/imdedup/tests/
-#   - checksums (deploy/k8s/checksums.py): a configuration change moves the
+#   - checksums (tests/chart/checksums.py): a configuration change moves the
 #     checksum annotations of exactly the pods it concerns
-#   - the binary check (deploy/k8s/check_config.py): every rendered imdedup
+#   - the binary check (tests/chart/check_config.py): every rendered imdedup
 #     container's args and environment are accepted by the real binary
 #     (`imdedup --check-config ...`, with real throwaway TLS files in the
 #     Secret-mounted TLS directories), every IMDEDUP_* variable it sets is
 #     one the binary knows, and each render's internal TLS wiring holds
 #     (certificate names cover the hosts dialled and the allowed callers)
 #
-# Tools come from deploy/k8s/tools.sh (installed into ~/.cache/imdedup/tools
+# Tools come from tests/chart/tools.sh (installed into ~/.cache/imdedup/tools
 # the first time). The binary is ${IMDEDUP_BIN:-target/debug/imdedup}; build
-# it first (cargo build -p imdedup; deploy/local/test.sh has).
+# it first (cargo build -p imdedup; tests/run.sh has).
 #
-# Usage: deploy/k8s/chart-test.sh [--keep]   (--keep: keep the renders and print where)
+# Usage: tests/chart/chart-test.sh [--keep]   (--keep: keep the renders and print where)
 # Prints `chart: N passed, M failed` last; exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -46,7 +46,7 @@ IMDEDUP_BIN="${IMDEDUP_BIN:-target/debug/imdedup}"
 # The chart's minimum Kubernetes version and the newest the schemas know.
 K8S_VERSIONS="v1.30.0 v1.37.0"
 
-TOOLS="$(deploy/k8s/tools.sh | tail -n 1)"
+TOOLS="$(tests/chart/tools.sh | tail -n 1)"
 BIN="$TOOLS/bin"
 PY="$TOOLS/venv/bin/python"
 
@@ -170,7 +170,7 @@ if [ "$ut_ok" = 0 ] && ! grep -E '^\s*Tests:' "$work/unittest.log" | grep -qE '[
 fi
 
 # --- checksums: a configuration change rolls exactly the pods it concerns ----------------------
-"$PY" deploy/k8s/checksums.py "$BIN/helm" "$CHART" >"$work/checksums.log" 2>&1 || true
+"$PY" tests/chart/checksums.py "$BIN/helm" "$CHART" >"$work/checksums.log" 2>&1 || true
 grep -v -e '^checks:' -e 'found symbolic link in path' "$work/checksums.log" || true
 add_counts "$work/checksums.log" 'checks:'
 
@@ -180,7 +180,7 @@ if [ ! -x "$IMDEDUP_BIN" ]; then
   echo "FAIL $IMDEDUP_BIN is missing: build it with cargo build -p imdedup (or set IMDEDUP_BIN)"
   failed=$((failed + 1))
 else
-  "$PY" deploy/k8s/check_config.py "$IMDEDUP_BIN" "${renders[@]}" >"$work/binary.log" 2>&1 || true
+  "$PY" tests/chart/check_config.py "$IMDEDUP_BIN" "${renders[@]}" >"$work/binary.log" 2>&1 || true
   grep -v '^checks:' "$work/binary.log" || true
   add_counts "$work/binary.log" 'checks:'
 fi

@@ -17,7 +17,7 @@
 # Each piece has a stamp file naming its version; a second run only checks the
 # stamps. Progress goes to stderr; the last line of stdout is the cache dir.
 #
-# Usage: deploy/k8s/tools.sh
+# Usage: tests/chart/tools.sh
 # Env: IMDEDUP_TOOLS_CACHE (default ~/.cache/imdedup/tools)
 set -euo pipefail
 

@@ -2,8 +2,8 @@
 # The chart on a real single-node Kubernetes with a real pod network, serving load through its
 # Service while it is upgraded, scaled and broken; every scenario audited by imdedup-load.
 #
-#   deploy/k8s/kube/e2e.sh                    everything: build or reuse, cluster, chart, scenarios, teardown
-#   SCENARIOS="steady redis" deploy/k8s/kube/e2e.sh    a subset (steady upgrade scale delete redis)
+#   tests/kube/e2e.sh                    everything: build or reuse, cluster, chart, scenarios, teardown
+#   SCENARIOS="steady redis" tests/kube/e2e.sh    a subset (steady upgrade scale delete redis)
 #   KEEP=1 ...                                leave the cluster running at the end (prints KUBECONFIG)
 #
 # Levels, each from real components:
@@ -34,7 +34,7 @@
 set -uo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-ROOT="$(cd "$HERE/../../.." && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd)"
 NODE=imdk-node
 BR=imdk0
 NODE_IP=198.18.0.1
@@ -204,8 +204,8 @@ if [ ! -x "$BUSYBOX" ]; then
   (cd "$d/deb" && apt-get download busybox-static && dpkg-deb -x busybox-static_*.deb "$d") >"$S/logs/busybox.log" 2>&1 \
     || die "busybox-static (apt-get download)" "$S/logs/busybox.log"
 fi
-HELM="$("${NICE[@]}" "$ROOT/deploy/k8s/tools.sh" 2>"$S/logs/tools.log" | tail -n1)/bin/helm"
-[ -x "$HELM" ] || die "helm (deploy/k8s/tools.sh)" "$S/logs/tools.log"
+HELM="$("${NICE[@]}" "$ROOT/tests/chart/tools.sh" 2>"$S/logs/tools.log" | tail -n1)/bin/helm"
+[ -x "$HELM" ] || die "helm (tests/chart/tools.sh)" "$S/logs/tools.log"
 # the imdedup image (cargo release build + podman) and the Redis image: deploy/image/build.sh
 "${NICE[@]}" "$ROOT/deploy/image/build.sh" >"$S/logs/image.log" 2>&1 || die "deploy/image/build.sh" "$S/logs/image.log"
 LOAD="$ROOT/target/release/imdedup-load"
@@ -377,7 +377,7 @@ diff_id = "sha256:" + hashlib.sha256(layer).hexdigest()
 config = json.dumps({"architecture": "amd64", "os": "linux",
     "config": {"Entrypoint": json.loads(entrypoint), "Env": ["PATH=/bin"]},
     "rootfs": {"type": "layers", "diff_ids": [diff_id]},
-    "history": [{"created_by": "deploy/k8s/kube/e2e.sh"}]}).encode()
+    "history": [{"created_by": "tests/kube/e2e.sh"}]}).encode()
 cfg_name = hashlib.sha256(config).hexdigest() + ".json"
 with tarfile.open(out, "w") as t:
     def add(n, data):

@@ -10,21 +10,21 @@
 # process_cpu_seconds_total before and after sending. Then nats-server
 # (Debian's, installed with apt-get if missing; JetStream, file storage)
 # gets the same number of publishes at the same rate from
-# deploy/local/jetstream-bench (Go, nats.go), each with a Nats-Msg-Id, 11% of
+# bench/jetstream-bench (Go, nats.go), each with a Nats-Msg-Id, 11% of
 # them resends of an earlier ID, at most 256 awaiting their PubAck; its CPU
 # is read from /proc/<pid>/stat around the publishes. Prints one table row
 # per rate: offered, acknowledged/s, p99 ACK, audit, CPU µs per message of
 # the gateway, both ingest shards, storage, the services' sum and the driver,
 # nats-server's µs per publish, and the ratio services / JetStream.
 #
-#   deploy/local/cpu-per-message.sh [--rates 1000,3000,6000,13900] [--duration 10]
+#   bench/cpu-per-message.sh [--rates 1000,3000,6000,13900] [--duration 10]
 #                                   [--followers] [--keep] [--profile DIR]
 #                                   [--worker-threads 1] [--commit-delay 3ms]
 #                                   [--scylla HOST:PORT --redis URL]   (real backends)
 #
 # IMDEDUP_CPU_NO_BUILD=1 skips the cargo build. About 4 minutes once built.
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 if [ "${IMDEDUP_CPU_NO_BUILD:-}" != 1 ]; then
   cargo build --release --locked -q -p imdedup -p imdedup-loadtest
@@ -41,9 +41,10 @@ fi
 
 bench_dir="${XDG_CACHE_HOME:-$HOME/.cache}/imdedup/jetstream-bench"
 mkdir -p "$bench_dir"
-(cd deploy/local/jetstream-bench && go build -o "$bench_dir/jetstream-bench" .)
+(cd bench/jetstream-bench && go build -o "$bench_dir/jetstream-bench" .)
 
-exec python3 deploy/local/cpu_per_message.py \
+# localprocs.py (the process harness) is shared with the test scenarios.
+PYTHONPATH=tests/scenarios${PYTHONPATH:+:$PYTHONPATH} exec python3 bench/cpu_per_message.py \
   --imdedup "$target_dir/release/imdedup" \
   --load "$target_dir/release/imdedup-load" \
   --jetstream-bench "$bench_dir/jetstream-bench" \

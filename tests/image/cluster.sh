@@ -12,7 +12,7 @@
 #                 IMDEDUP_SHARDS=ingest-0=http://127.0.0.1:7200,ingest-1=...
 #   then  target/release/imdedup-load steady --url ws://127.0.0.1:<port>/v1/ws ...
 #
-#   deploy/image/cluster.sh          # exit 0 iff every service got ready and the audit passed
+#   tests/image/cluster.sh          # exit 0 iff every service got ready and the audit passed
 #
 # Why one pod: in this sandbox (gVisor), TCP between two containers across
 # the podman bridge stalled under load (inserts from ingest to storage hung
@@ -133,7 +133,7 @@ wait_ready() { # SHORTNAME ADMIN_PORT
 
 if ! pm image exists "$IMAGE" || ! pm image exists "$REDIS_IMAGE" || [ ! -x "$LOAD" ]; then
   log "image or load driver missing: running deploy/image/build.sh"
-  "$HERE/build.sh" >/dev/null
+  "$ROOT/deploy/image/build.sh" >/dev/null
 fi
 
 # --------------------------------------------------------------- the cluster

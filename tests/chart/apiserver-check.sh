@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Checks the Helm chart against a REAL kube-apiserver (plus etcd) running on loopback.
 #
-#   deploy/k8s/apiserver-check.sh [CHART_DIR]        (default: k8s/imdedup)
+#   tests/chart/apiserver-check.sh [CHART_DIR]        (default: k8s/imdedup)
 #
 # Steps, one PASS/FAIL line each (exit status 1 if any FAIL):
 #   etcd + kube-apiserver start (temp dir, free loopback ports, RBAC, static-token admin user,
@@ -97,8 +97,8 @@ trap 'exit 130' INT TERM
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
 
 # --- tools -----------------------------------------------------------------------------------------
-KBIN="$("$HERE/kube/build.sh" kube-apiserver kubectl 2>"$WORK/logs/build.log" | tail -n1)"
-[ -x "$KBIN/kube-apiserver" ] && [ -x "$KBIN/kubectl" ] || die "kube binaries (deploy/k8s/kube/build.sh)" "$WORK/logs/build.log"
+KBIN="$("$REPO/tests/kube/build.sh" kube-apiserver kubectl 2>"$WORK/logs/build.log" | tail -n1)"
+[ -x "$KBIN/kube-apiserver" ] && [ -x "$KBIN/kubectl" ] || die "kube binaries (tests/kube/build.sh)" "$WORK/logs/build.log"
 KUBECTL="$KBIN/kubectl"
 if command -v helm >/dev/null 2>&1; then HELM="$(command -v helm)"
 elif [ -x "$(go env GOPATH 2>/dev/null)/bin/helm" ]; then HELM="$(go env GOPATH)/bin/helm"
@@ -108,7 +108,7 @@ else
     || die "helm install (go install helm.sh/helm/v3/cmd/helm@$HELM_VERSION)" "$WORK/logs/helm-install.log"
   HELM="$(go env GOPATH)/bin/helm"
 fi
-command -v etcd >/dev/null 2>&1 || die "etcd in PATH (deploy/k8s/kube/build.sh installs etcd-server)"
+command -v etcd >/dev/null 2>&1 || die "etcd in PATH (tests/kube/build.sh installs etcd-server)"
 [ -f "$CHART/Chart.yaml" ] || die "chart at $CHART (no Chart.yaml)"
 export HELM_CACHE_HOME="$WORK/helm/cache" HELM_CONFIG_HOME="$WORK/helm/config" HELM_DATA_HOME="$WORK/helm/data"
 info "kubectl $("$KUBECTL" version --client -o json 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin)["clientVersion"]["gitVersion"])'), $("$HELM" version --short), $(etcd --version | head -1), work dir $WORK"

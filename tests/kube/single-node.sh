@@ -4,8 +4,8 @@
 # then local images (no registry: a pause image and a busybox image are assembled here from
 # files, and localhost/imdedup:dev is imported from podman if it exists) and a pod that really runs.
 #
-#   deploy/k8s/kube/single-node.sh            run the checks, tear everything down
-#   KEEP=1 deploy/k8s/kube/single-node.sh     leave the cluster running (prints KUBECONFIG and a stop
+#   tests/kube/single-node.sh            run the checks, tear everything down
+#   KEEP=1 tests/kube/single-node.sh     leave the cluster running (prints KUBECONFIG and a stop
 #                                             command) for e.g. helm install of the chart
 #   EXTRA="cmd" ...                           run cmd (with KUBECONFIG set) before the teardown
 #   CHART=k8s/imdedup ...                     also helm install the chart with the local image and
@@ -275,7 +275,7 @@ diff_id = "sha256:" + hashlib.sha256(layer).hexdigest()
 config = json.dumps({"architecture": "amd64", "os": "linux",
     "config": {"Entrypoint": json.loads(entrypoint), "Env": ["PATH=/bin"]},
     "rootfs": {"type": "layers", "diff_ids": [diff_id]},
-    "history": [{"created_by": "deploy/k8s/kube/single-node.sh"}]}).encode()
+    "history": [{"created_by": "tests/kube/single-node.sh"}]}).encode()
 cfg_name = hashlib.sha256(config).hexdigest() + ".json"
 with tarfile.open(out, "w") as t:
     def add(n, data):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Local services harness for imdedup tests: Redis, a 3-master Redis Cluster and
 # a single-node Apache Cassandra 5.0 (CQL stand-in for ScyllaDB), all on
-# 127.0.0.1. See deploy/local/README.md.
+# 127.0.0.1. See tests/services/README.md.
 #
 #   services.sh up [--redis] [--cassandra] [--redis-cluster] [--cassandra-cluster]
 #                  (default: redis + cassandra; --cassandra-cluster: three
@@ -13,7 +13,7 @@
 #   services.sh cql 'STATEMENT' ['STATEMENT' ...]
 #
 # Human-readable progress goes to stderr; `up` and `env` print only `export`
-# lines on stdout, so `eval "$(deploy/local/services.sh up)"` works.
+# lines on stdout, so `eval "$(tests/services/services.sh up)"` works.
 # shellcheck disable=SC2016,SC2013  # single-quoted bash -c scripts and word-split port lists are intended
 set -euo pipefail
 

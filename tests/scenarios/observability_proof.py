@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Proof that imdedup's dashboard and alert rules work against a real Prometheus.
 
-Run by deploy/local/observability-proof.sh (which installs Prometheus and Redis
+Run by tests/scenarios/observability-proof.sh (which installs Prometheus and Redis
 and builds the binaries); see that script for the overview. Python 3.11 standard
 library only.
 

@@ -1,6 +1,6 @@
 """Fault scenarios under load on Redis + Cassandra, each audited with followers.
 
-Run by deploy/local/faults.sh (which starts the services and builds the
+Run by tests/scenarios/faults.sh (which starts the services and builds the
 binaries); see that script for the overview. Python 3.11 standard library only.
 
 Every scenario starts its own cluster on loopback, one process per service
@@ -251,7 +251,7 @@ def settle_schema() -> None:
 def restart_nodes() -> None:
     """services.sh brings the stopped nodes back, on their data."""
     here = Path(__file__).resolve().parent
-    subprocess.run([str(here / "services.sh"), "up", "--cassandra-cluster"], check=True,
+    subprocess.run([str(here.parent / "services" / "services.sh"), "up", "--cassandra-cluster"], check=True,
                    stdout=subprocess.DEVNULL)
 
 

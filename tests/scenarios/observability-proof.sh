@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Proof that the Grafana dashboard (deploy/grafana/imdedup-dashboard.json) and
 # the Prometheus rules (deploy/prometheus/imdedup-rules.yaml) work against a
-# real Prometheus: part of the test suite (deploy/local/test.sh runs it after
+# real Prometheus: part of the test suite (tests/run.sh runs it after
 # the cargo tests).
 #
 # It checks the rules with promtool (check + the unit tests in
@@ -19,7 +19,7 @@
 # without starting their system services. Builds target/debug/imdedup and
 # imdedup-load unless IMDEDUP_PROOF_NO_BUILD=1.
 #
-#   deploy/local/observability-proof.sh [--keep]     # --keep: keep the temp dir (logs, TSDB)
+#   tests/scenarios/observability-proof.sh [--keep]     # --keep: keep the temp dir (logs, TSDB)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
@@ -69,7 +69,7 @@ for bin in imdedup imdedup-load; do
   [ -x "$target_dir/debug/$bin" ] || die "$target_dir/debug/$bin not found; build with: cargo build -p imdedup -p imdedup-loadtest"
 done
 
-exec python3 deploy/local/observability_proof.py \
+exec python3 tests/scenarios/observability_proof.py \
   --imdedup "$target_dir/debug/imdedup" \
   --load "$target_dir/debug/imdedup-load" \
   --rules deploy/prometheus/imdedup-rules.yaml \

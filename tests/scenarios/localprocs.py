@@ -1,6 +1,6 @@
-"""Processes of a local cluster on loopback, for the harness scripts in
-deploy/local/ (the observability proof, the fault scenarios). Python 3.11
-standard library only."""
+"""Processes of a local cluster on loopback, for the scenarios in
+tests/scenarios/ (the observability proof, the fault and overload scenarios)
+and bench/cpu_per_message.py. Python 3.11 standard library only."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Offline JSON schemas for kubeconform (used by deploy/k8s/tools.sh).
+"""Offline JSON schemas for kubeconform (used by tests/chart/tools.sh).
 
     schemas.py k8s SRC DEST    copy kubernetes-validate's schemas (one version's
                                `-local-strict` folder) so kubeconform can load

@@ -1,6 +1,6 @@
 """Overload scenarios: a stalled or slow database, and Redis lost on top.
 
-Run by deploy/local/overload.sh; see that script for the overview. Python 3.11
+Run by tests/scenarios/overload.sh; see that script for the overview. Python 3.11
 standard library only. Each scenario starts its own cluster (storage, two
 ingest shards writing to Cassandra themselves, a gateway; mutual TLS between
 them) in a fresh keyspace, with a private Redis it may kill, drives it with
@@ -65,7 +65,7 @@ def log(msg: str) -> None:
 
 
 def cassandra_pid() -> int:
-    """The pid of deploy/local/services.sh's Cassandra, checked to be it."""
+    """The pid of tests/services/services.sh's Cassandra, checked to be it."""
     state = Path(os.environ.get("IMDEDUP_STATE", "/tmp/imdedup-services"))
     pid = int((state / "cassandra" / "pid").read_text().strip())
     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
@@ -86,7 +86,7 @@ def restart_cassandra() -> int:
         if time.monotonic() > deadline:
             os.kill(pid, signal.SIGKILL)
         time.sleep(0.2)
-    services = Path(__file__).resolve().parent / "services.sh"
+    services = Path(__file__).resolve().parent.parent / "services" / "services.sh"
     subprocess.run(["bash", str(services), "up", "--cassandra"], check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
     return cassandra_pid()

@@ -13,7 +13,7 @@
 # (kubernetes, cache, errors, log, health, ready, reload, loadbalance, hosts, template), so the
 # cloud-provider SDKs of the stock build are not compiled; a static binary (CGO_ENABLED=0).
 #
-# Usage: deploy/k8s/kube/build.sh [--all | component...]
+# Usage: tests/kube/build.sh [--all | component...]
 #   default components: kube-apiserver kubectl
 #   --all: also kube-controller-manager kube-scheduler kubelet
 #   components: the above, kube-proxy, coredns

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Runs imdedup's whole test suite: starts a real Redis, a 3-master Redis
 # Cluster and Apache Cassandra 5.0 (the CQL stand-in for ScyllaDB) on
-# loopback with deploy/local/services.sh, installing what is missing, runs
+# loopback with tests/services/services.sh, installing what is missing, runs
 # every unit and integration test against the embedded backends and the real
 # ones, and stops the services again. This is the README's test command, and
 # what CI runs.
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 if ! command -v cargo >/dev/null 2>&1; then
   echo "test: cargo is not on PATH; install Rust with rustup first" >&2
@@ -31,17 +31,17 @@ cargo test --workspace --locked --features imdedup/testing --no-run
 
 # Stop the services at the end only if none were running before.
 started_here=0
-if [ -z "$(deploy/local/services.sh env 2>/dev/null)" ]; then
+if [ -z "$(tests/services/services.sh env 2>/dev/null)" ]; then
   started_here=1
 fi
 stop_services() {
   if [ "$started_here" = 1 ] && [ -z "${IMDEDUP_KEEP_SERVICES:-}" ]; then
-    deploy/local/services.sh down || true
+    tests/services/services.sh down || true
   fi
 }
 trap stop_services EXIT
 
-eval "$(deploy/local/services.sh up --redis --cassandra --redis-cluster)"
+eval "$(tests/services/services.sh up --redis --cassandra --redis-cluster)"
 export IMDEDUP_TEST_REDIS_URL IMDEDUP_TEST_SCYLLA IMDEDUP_TEST_REDIS_CLUSTER
 
 cargo test --workspace --locked --features imdedup/testing "$@"
@@ -50,12 +50,12 @@ cargo test --workspace --locked --features imdedup/testing "$@"
 # Kubernetes and CRD schemas, helm-unittest, and every rendered container's
 # args and env through the binary's --check-config (tools install once into
 # ~/.cache/imdedup/tools).
-deploy/k8s/chart-test.sh
+tests/chart/chart-test.sh
 
 # The Grafana dashboard and the Prometheus rules, proven against a real
 # Prometheus scraping a local cluster under load (installs prometheus once).
 # `cargo test` has built target/debug/imdedup and imdedup-load already.
-IMDEDUP_PROOF_NO_BUILD=1 deploy/local/observability-proof.sh
+IMDEDUP_PROOF_NO_BUILD=1 tests/scenarios/observability-proof.sh
 
 # Past capacity (more load than the service can serve), the short version:
 # the load driver's overload scenario on the embedded backends, 4 s surges at
@@ -68,12 +68,12 @@ target/debug/imdedup-load overload --embedded --capacity 600 --surge 4s \
 # Fault scenarios under load on Redis + Cassandra, audited with followers:
 # failing history writes, an ingest SIGKILLed, a rolling restart, the shard
 # map 2 -> 3 -> 2. One line each; every must-be-zero count must be 0.
-IMDEDUP_FAULTS_NO_BUILD=1 deploy/local/faults.sh
+IMDEDUP_FAULTS_NO_BUILD=1 tests/scenarios/faults.sh
 
 # Overload with a stalled database, the short version: Cassandra restarted
 # and the capacity of a cluster measured on it, then the pause4+redis
 # sequence on that database at half of it: Cassandra paused 4 s, Redis killed and
 # restarted; fails on a loss, a repeat or a phone giving up, and prints the
 # goodput, recovery and tries figures. Last in the suite, as it restarts the
-# shared Cassandra. The full set: deploy/local/overload.sh.
-IMDEDUP_OVERLOAD_NO_BUILD=1 deploy/local/overload.sh --short --fresh-db
+# shared Cassandra. The full set: tests/scenarios/overload.sh.
+IMDEDUP_OVERLOAD_NO_BUILD=1 tests/scenarios/overload.sh --short --fresh-db

@@ -26,12 +26,12 @@
 # minutes; --short runs the pause4+redis sequence at half the capacity only
 # (the suite's version, ~1 minute; it fails on losses, repeats and give-ups).
 #
-#   deploy/local/overload.sh [--short] [--only NAME] [--capacity MSGS_PER_S] [--fresh-db]
+#   tests/scenarios/overload.sh [--short] [--only NAME] [--capacity MSGS_PER_S] [--fresh-db]
 #
 # --fresh-db restarts that Cassandra before the pause4+redis sequence, which
 # then runs on a cold database (the suite does so), at its share of the
 # capacity measured on a freshly restarted one (one more probe and restart).
-# Uses the Cassandra of deploy/local/services.sh (started if not running;
+# Uses the Cassandra of tests/services/services.sh (started if not running;
 # paused and resumed by this script) and builds target/debug/imdedup and
 # imdedup-load unless IMDEDUP_OVERLOAD_NO_BUILD=1.
 set -euo pipefail
@@ -44,12 +44,12 @@ target_dir=$(cargo metadata --format-version 1 --no-deps 2>/dev/null \
   | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])' 2>/dev/null || echo target)
 
 if [ -z "${IMDEDUP_TEST_SCYLLA:-}" ]; then
-  eval "$(deploy/local/services.sh up --redis --cassandra)"
+  eval "$(tests/services/services.sh up --redis --cassandra)"
 fi
 redis_server=$(command -v redis-server || true)
-[ -n "$redis_server" ] || { echo "overload: redis-server is needed (deploy/local/services.sh up installs it)" >&2; exit 1; }
+[ -n "$redis_server" ] || { echo "overload: redis-server is needed (tests/services/services.sh up installs it)" >&2; exit 1; }
 
-exec python3 deploy/local/overload.py \
+exec python3 tests/scenarios/overload.py \
   --imdedup "$target_dir/debug/imdedup" \
   --load "$target_dir/debug/imdedup-load" \
   --redis-server "$redis_server" \

@@ -1,4 +1,4 @@
-// jetstream-bench: the JetStream reference for deploy/local/cpu-per-message.sh.
+// jetstream-bench: the JetStream reference for bench/cpu-per-message.sh.
 // It publishes -messages messages at -rate per second (open loop) to a stream
 // with a duplicate window, each with a Nats-Msg-Id header, -resend-share of
 // them resends of an earlier ID, with at most -in-flight publishes awaiting

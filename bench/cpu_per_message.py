@@ -1,7 +1,7 @@
 """CPU per acknowledged message of each service, side by side with a NATS
 JetStream server doing the same number of deduplicated publishes.
 
-Run by deploy/local/cpu-per-message.sh (which builds the binaries); see that
+Run by bench/cpu-per-message.sh (which builds the binaries); see that
 script for the overview. Python 3.11 standard library only.
 
 One cluster on loopback, one process per service (storage on SQLite, two

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fault scenarios under load on real Redis + Cassandra, each audited with
 # followers (readers that follow every conversation with a cursor, as
-# receiving phones do). Part of the test suite (deploy/local/test.sh).
+# receiving phones do). Part of the test suite (tests/run.sh).
 #
 # Four scenarios, each on a cluster of its own (storage, two ingest shards
 # writing to Cassandra themselves, a gateway; separate processes on
@@ -16,9 +16,9 @@
 # reordered, seq order violations, failed on the phone. Exits 1 unless every
 # must-be-zero count is 0. About 3 minutes.
 #
-#   deploy/local/faults.sh [--rate 200] [--duration 20] [--only NAME]
-#   deploy/local/faults.sh --cassandra-cluster   (the database's faults, below)
-#   deploy/local/faults.sh --redis-cluster       (a Redis master killed, below)
+#   tests/scenarios/faults.sh [--rate 200] [--duration 20] [--only NAME]
+#   tests/scenarios/faults.sh --cassandra-cluster   (the database's faults, below)
+#   tests/scenarios/faults.sh --redis-cluster       (a Redis master killed, below)
 #
 # With --cassandra-cluster, four other scenarios run on services.sh's opt-in
 # three-node Cassandra cluster (RF 3, LOCAL_QUORUM, LOCAL_SERIAL), not in the
@@ -32,7 +32,7 @@
 # master SIGKILLed mid-run; the window is bypassed until its replica takes
 # over the slots, about 5-7 s with the harness's 5 s node timeout).
 #
-# Uses the services of deploy/local/services.sh (started if not running) and
+# Uses the services of tests/services/services.sh (started if not running) and
 # builds target/debug/imdedup (with the `testing` feature: the fault-injection
 # flags) and imdedup-load unless IMDEDUP_FAULTS_NO_BUILD=1.
 set -euo pipefail
@@ -48,25 +48,25 @@ scylla=${IMDEDUP_TEST_SCYLLA:-}
 case " $* " in
   *" --cassandra-cluster "*)
     # The database faults run on the opt-in three-node cluster.
-    eval "$(deploy/local/services.sh up --redis --cassandra-cluster)"
+    eval "$(tests/services/services.sh up --redis --cassandra-cluster)"
     scylla=$IMDEDUP_TEST_SCYLLA_CLUSTER
     export IMDEDUP_CASSANDRA_CLUSTER_DIR
     ;;
   *" --redis-cluster "*)
     # A Redis master killed: the window on services.sh's Redis Cluster.
-    eval "$(deploy/local/services.sh up --redis --cassandra --redis-cluster)"
+    eval "$(tests/services/services.sh up --redis --cassandra --redis-cluster)"
     scylla=$IMDEDUP_TEST_SCYLLA
     IMDEDUP_TEST_REDIS_URL=$IMDEDUP_TEST_REDIS_CLUSTER
     ;;
   *)
     if [ -z "${IMDEDUP_TEST_REDIS_URL:-}" ] || [ -z "$scylla" ]; then
-      eval "$(deploy/local/services.sh up --redis --cassandra)"
+      eval "$(tests/services/services.sh up --redis --cassandra)"
       scylla=$IMDEDUP_TEST_SCYLLA
     fi
     ;;
 esac
 
-exec python3 deploy/local/faults.py \
+exec python3 tests/scenarios/faults.py \
   --imdedup "$target_dir/debug/imdedup" \
   --load "$target_dir/debug/imdedup-load" \
   --redis "$IMDEDUP_TEST_REDIS_URL" \
