@@ -352,6 +352,8 @@ impl Reply {
 struct HeldSends {
     /// Per conversation, the appointment of its latest held send.
     until: HashMap<String, tokio::time::Instant>,
+    /// Size of `until` at which the past appointments are forgotten next.
+    prune_at: usize,
     /// Cancelled when the connection ends: held sends not started yet are
     /// answered `unavailable` then.
     closing: CancellationToken,
@@ -367,9 +369,7 @@ impl HeldSends {
 
     fn hold(&mut self, conversation: &str, wait: Duration) {
         let now = tokio::time::Instant::now();
-        if self.until.len() >= 64 {
-            self.until.retain(|_, &mut until| until > now);
-        }
+        prune(&mut self.until, &mut self.prune_at, |_, until| *until > now);
         self.until.insert(conversation.to_owned(), now + wait);
     }
 }
@@ -451,6 +451,9 @@ fn frame_too_big(error: &axum::Error) -> bool {
 struct SendOrder {
     /// Per conversation, the signal that its latest send was answered.
     last: HashMap<String, oneshot::Receiver<()>>,
+    /// Size of `last` at which the answered conversations are forgotten
+    /// next.
+    prune_at: usize,
 }
 
 /// A send's place in its conversation's order.
@@ -467,14 +470,33 @@ struct Going {
 
 impl SendOrder {
     fn next(&mut self, conversation: &str) -> Turn {
-        if self.last.len() >= 64 {
-            // Forget conversations whose last send was answered.
-            self.last
-                .retain(|_, rx| matches!(rx.try_recv(), Err(oneshot::error::TryRecvError::Empty)));
-        }
+        // Forget conversations whose last send was answered.
+        prune(&mut self.last, &mut self.prune_at, |_, rx| {
+            matches!(rx.try_recv(), Err(oneshot::error::TryRecvError::Empty))
+        });
         let (done, rx) = oneshot::channel();
         let after = self.last.insert(conversation.to_owned(), rx);
         Turn { after, done }
+    }
+}
+
+/// A connection keeps this many conversations before it first forgets
+/// finished ones.
+const PRUNE_FROM: usize = 64;
+
+/// Forget the entries of `map` that `keep` rejects, each time the map has
+/// doubled since the last time (and from [`PRUNE_FROM`] entries). While a
+/// backlog stands, hundreds of a connection's conversations have a send
+/// pending; going through all of them on every send (as before) cost the
+/// gateway time in proportion to its backlog, just when it had least.
+fn prune<V>(
+    map: &mut HashMap<String, V>,
+    prune_at: &mut usize,
+    keep: impl FnMut(&String, &mut V) -> bool,
+) {
+    if map.len() >= *prune_at {
+        map.retain(keep);
+        *prune_at = map.len().saturating_mul(2).max(PRUNE_FROM);
     }
 }
 
@@ -704,6 +726,56 @@ fn keep_within(messages: &mut Vec<StoredMessage>, max_bytes: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn send_order_forgets_answered_conversations_and_keeps_pending_ones() {
+        let mut order = SendOrder::default();
+        // 300 conversations with a send pending, then thousands answered.
+        let pending: Vec<Turn> = (0..300).map(|i| order.next(&format!("p{i}"))).collect();
+        for i in 0..5_000 {
+            drop(order.next(&format!("a{i}")));
+        }
+        assert!(
+            order.last.len() < 2 * 300 + PRUNE_FROM,
+            "answered conversations are forgotten: {} kept",
+            order.last.len()
+        );
+        // Every pending conversation still orders its next send after it.
+        let mut going = Vec::new();
+        for (i, first) in pending.into_iter().enumerate() {
+            let next = order.next(&format!("p{i}"));
+            assert!(next.after.is_some(), "p{i} forgot its pending send");
+            going.push((first.wait().await, next));
+        }
+        let (first, next) = going.pop().expect("a pending conversation");
+        let waiting = next.wait();
+        tokio::pin!(waiting);
+        let early = tokio::time::timeout(Duration::from_millis(20), &mut waiting).await;
+        assert!(early.is_err(), "waits for the send before it");
+        drop(first);
+        let after = tokio::time::timeout(Duration::from_secs(5), &mut waiting).await;
+        assert!(after.is_ok(), "goes once it is answered");
+    }
+
+    #[test]
+    fn prune_runs_again_only_after_the_map_doubles() {
+        let mut map: HashMap<String, bool> = HashMap::new();
+        let mut prune_at = 0;
+        let mut sweeps = 0;
+        for i in 0..10_000 {
+            prune(&mut map, &mut prune_at, |_, _| {
+                sweeps += 1;
+                true
+            });
+            map.insert(i.to_string(), true);
+        }
+        // Everything kept: sweeps at 64, 128, 256, ... entries, each over
+        // the whole map, sum under twice the final size.
+        assert!(
+            sweeps < 2 * 10_000,
+            "{sweeps} entries visited for 10,000 inserts"
+        );
+    }
 
     #[test]
     fn a_failed_pull_is_unavailable_with_a_wait_and_tells_no_internals() {
