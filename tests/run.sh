@@ -20,14 +20,14 @@ cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -q -- -D warnings
 # The suite builds with the `testing` feature (fault injection for the
 # fault tests and scenarios); production builds never have it.
-cargo clippy --workspace --all-targets --locked -q --features imdedup/testing -- -D warnings
+cargo clippy --workspace --all-targets --locked -q --features imdedup/testing,imdedup-integration-tests/testing -- -D warnings
 if ! command -v cargo-machete >/dev/null 2>&1; then
   cargo install --locked -q cargo-machete@0.9.2
 fi
 cargo machete
 
 # Build first, so the services do not sit idle through a cold compile.
-cargo test --workspace --locked --features imdedup/testing --no-run
+cargo test --workspace --locked --features imdedup/testing,imdedup-integration-tests/testing --no-run
 
 # Stop the services at the end only if none were running before.
 started_here=0
@@ -44,7 +44,7 @@ trap stop_services EXIT
 eval "$(tests/services/services.sh up --redis --cassandra --redis-cluster)"
 export IMDEDUP_TEST_REDIS_URL IMDEDUP_TEST_SCYLLA IMDEDUP_TEST_REDIS_CLUSTER
 
-cargo test --workspace --locked --features imdedup/testing "$@"
+cargo test --workspace --locked --features imdedup/testing,imdedup-integration-tests/testing "$@"
 
 # The Helm chart's offline checks: lint, renders validated against the
 # Kubernetes and CRD schemas, helm-unittest, and every rendered container's

@@ -14,7 +14,7 @@ use imdedup_gateway::authz::{
 use imdedup_runtime::tls::InternalTls;
 use tokio_util::sync::CancellationToken;
 
-mod common;
+use super::common;
 
 async fn start(authz: Authorizer) -> (LocalCluster, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();

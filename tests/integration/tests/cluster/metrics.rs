@@ -1,7 +1,7 @@
 //! The admin ports of a whole local cluster, scraped over real HTTP after
 //! real sends: what a Prometheus server would see.
 
-mod common;
+use super::common;
 
 use common::{Kind, http_get as get, start};
 use imdedup_client::Encoding;

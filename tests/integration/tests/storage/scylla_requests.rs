@@ -7,7 +7,7 @@ use imdedup_storage::metrics::DB_CASSANDRA;
 use imdedup_domain::store::{Insert, MessageStore};
 use imdedup_storage::{ScyllaStore, scylla::RequestKind};
 
-mod common;
+use super::common;
 use common::{message, scylla_options};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,7 +7,7 @@ use imdedup_client::{Client, ClientError, Encoding, ErrorReply, RawMessage, Repl
 use imdedup_cluster::{ClusterOptions, LocalCluster};
 use imdedup_domain::clock::ManualClock;
 
-mod common;
+use super::common;
 
 use common::connect;
 

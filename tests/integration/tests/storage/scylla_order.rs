@@ -11,7 +11,7 @@ use imdedup_domain::{
 };
 use imdedup_storage::{ScyllaOptions, ScyllaStore};
 
-mod common;
+use super::common;
 use common::{history, message, scylla_options};
 
 fn seqs(rows: &[StoredMessage]) -> Vec<u64> {

@@ -10,7 +10,7 @@ use imdedup_runtime::{server::ServeOptions, tls::InternalTls};
 use imdedup_storage::{ScyllaStore, SqliteOptions, SqliteStore};
 use imdedup_testkit::conformance::store::conforms;
 
-mod common;
+use super::common;
 use common::{history, message, scylla_options};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

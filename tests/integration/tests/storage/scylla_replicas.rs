@@ -6,7 +6,7 @@
 //! Opt-in (ignored in the suite, which does not start a cluster): run it on
 //! services.sh's three-node cluster with
 //! `eval "$(tests/services/services.sh up --cassandra-cluster)"` and
-//! `cargo test -p imdedup-storage --test scylla_replicas -- --ignored`.
+//! `cargo test -p imdedup-integration-tests -- --ignored storage::scylla_replicas`.
 
 use std::{collections::HashSet, net::IpAddr};
 

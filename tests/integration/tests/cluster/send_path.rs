@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-mod common;
+use super::common;
 
 use common::{Kind, rows, start};
 use imdedup_client::{Client, Encoding, RawMessage, Reply};

@@ -3,7 +3,7 @@
 //! identity, and stores nothing for them; certificates rotate without a
 //! restart.
 
-mod common;
+use super::common;
 
 use std::{
     net::SocketAddr,

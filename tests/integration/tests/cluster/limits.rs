@@ -2,7 +2,7 @@
 //! when to come back), stores nothing for what it refuses, is counted in
 //! `imdedup_gateway_limited_total`, and leaves well-behaved phones alone.
 
-mod common;
+use super::common;
 
 use std::{num::NonZeroU32, sync::Arc, time::Duration};
 

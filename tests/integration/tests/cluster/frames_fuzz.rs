@@ -50,7 +50,7 @@ use tokio_tungstenite::{
     tungstenite::{Message, client::IntoClientRequest, http},
 };
 
-mod common;
+use super::common;
 
 type Ws = WebSocketStream<MaybeTlsStream<tokio::net::TcpStream>>;
 

@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-mod common;
+use super::common;
 
 use common::{Harness, Kind, rows, start};
 use imdedup_client::{
