@@ -13,7 +13,6 @@
 
 use std::{
     collections::HashMap,
-    fmt::Write as _,
     num::NonZeroU32,
     sync::{
         Arc, Mutex,
@@ -35,16 +34,16 @@ use imdedup_domain::{
 use imdedup_gateway::authz::{Authorizer, DirectConversations};
 use imdedup_runtime::{secret::Secret, token::TokenKey};
 use rand::{Rng, SeedableRng, rngs::StdRng};
-use serde::Serialize;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
     audit::{Sent, audit},
+    config::{LoadConfig, Target},
     follow,
     phone::{Trace, wait_until},
-    report::Report,
-    run::{LoadConfig, RunResult, Target, connect_all, due_after, pull_histories},
+    report::{BusinessFigures, Report},
+    run::{RunResult, connect_all, due_after, pull_histories},
 };
 
 /// What the business scenario adds to a load run. Of the load's loss
@@ -67,56 +66,6 @@ pub struct BusinessConfig {
     pub max_call_timeout: Duration,
     /// Tries per notice before the system gives up.
     pub max_tries: u32,
-}
-
-/// The business scenario's own figures.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct Figures {
-    pub systems: u64,
-    /// HTTP calls made, retries included.
-    pub calls: u64,
-    /// Calls the system stopped waiting for (its client timeout).
-    pub timed_out: u64,
-    /// Calls after a notice's first.
-    pub retries: u64,
-    /// Retries answered `duplicate_business_key`: the key recognised a
-    /// notice an earlier, timed-out or failed call had stored.
-    pub retries_caught_by_business_key: u64,
-    /// Notices answered (stored now or recognised).
-    pub answered: u64,
-    /// Notices never answered within `max_tries`.
-    pub gave_up: u64,
-    /// Answers the driver received but dropped (`--loss-ack`), as if they
-    /// were lost on the way back.
-    pub answers_lost: u64,
-    /// `idempotency_key_reused` answers: each notice keeps its key and
-    /// body, so this must be 0.
-    pub key_reused: u64,
-    pub call_timeout_ms: f64,
-}
-
-impl Figures {
-    pub fn render(&self, out: &mut String) {
-        let _ = writeln!(
-            out,
-            "  business API     {} systems, {} calls ({} retries), {} timed out on the client (first try after {} ms), {} answers lost",
-            self.systems,
-            self.calls,
-            self.retries,
-            self.timed_out,
-            self.call_timeout_ms,
-            self.answers_lost
-        );
-        let _ = writeln!(
-            out,
-            "                   {} retries caught by the business key; {} notices answered, {} given up, key reused {}{}",
-            self.retries_caught_by_business_key,
-            self.answered,
-            self.gave_up,
-            self.key_reused,
-            if self.key_reused == 0 { "" } else { "  FAIL" }
-        );
-    }
 }
 
 /// Per notice: how its calls went, and when it was due.
@@ -408,10 +357,10 @@ pub async fn run(config: BusinessConfig) -> anyhow::Result<RunResult> {
     let histories = pull_histories(&phones, readers).await?;
 
     let results = std::mem::take(&mut *results.lock().map_err(|_| anyhow::anyhow!("poisoned"))?);
-    let mut figures = Figures {
+    let mut figures = BusinessFigures {
         systems: config.systems as u64,
         call_timeout_ms: config.call_timeout.as_secs_f64() * 1000.0,
-        ..Figures::default()
+        ..BusinessFigures::default()
     };
     let mut sent = Vec::with_capacity(notices.len());
     for (notice, result) in notices.iter().zip(results) {

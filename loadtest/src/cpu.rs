@@ -143,6 +143,10 @@ async fn get_metrics(addr: &str) -> anyhow::Result<String> {
     Ok(body.to_owned())
 }
 
+/// The name of the one CPU figure of an embedded run (the driver and the
+/// services in one process).
+pub const EMBEDDED_PROCESS: &str = "driver+services";
+
 #[cfg(test)]
 mod tests {
     use super::*;

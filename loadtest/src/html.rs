@@ -107,7 +107,7 @@ fn cpu_table(report: &Report) -> String {
     if report
         .cpu
         .iter()
-        .any(|p| p.name == crate::run::EMBEDDED_PROCESS)
+        .any(|p| p.name == crate::cpu::EMBEDDED_PROCESS)
     {
         html.push_str(
             "<p>--embedded: the services run in the driver's process; the figure is the whole process.</p>\n",

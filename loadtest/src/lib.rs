@@ -10,6 +10,7 @@
 
 pub mod audit;
 pub mod business;
+pub mod config;
 pub mod cpu;
 pub mod follow;
 pub mod html;
@@ -20,4 +21,5 @@ pub mod report;
 pub mod run;
 pub mod search;
 
-pub use run::{LoadConfig, RunResult, run};
+pub use config::{LoadConfig, Target};
+pub use run::{RunResult, run};

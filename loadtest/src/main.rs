@@ -6,10 +6,10 @@ use clap::{Args, Parser, Subcommand};
 use imdedup_client::Encoding;
 use imdedup_loadtest::{
     LoadConfig,
+    config::Target,
     cpu::AdminTarget,
     phone::ResendPolicy,
     run,
-    run::Target,
     search::{Search, Step},
 };
 use imdedup_runtime::secret::Secret;

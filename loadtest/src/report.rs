@@ -7,8 +7,8 @@ use serde::Serialize;
 
 use crate::{
     audit::{Audit, Sent},
+    config::{LoadConfig, Target},
     cpu::ProcessCpu,
-    run::{LoadConfig, Target},
 };
 
 #[derive(Debug, Clone, Serialize)]
@@ -73,7 +73,7 @@ pub struct Report {
     pub started_at_unix_ms: u64,
     /// The `business` scenario's own figures.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub business: Option<crate::business::Figures>,
+    pub business: Option<BusinessFigures>,
     /// CPU per acknowledged message over the sending phase: each service
     /// given with `--admin`, their sum (`services`) and the driver's own;
     /// with `--embedded`, the one process (`driver+services`).
@@ -213,7 +213,7 @@ impl Report {
         if self
             .cpu
             .iter()
-            .any(|p| p.name == crate::run::EMBEDDED_PROCESS)
+            .any(|p| p.name == crate::cpu::EMBEDDED_PROCESS)
         {
             let _ = writeln!(
                 out,
@@ -288,5 +288,55 @@ impl Report {
         }
         let _ = writeln!(out, "{}", if a.passed() { "PASSED" } else { "FAILED" });
         out
+    }
+}
+
+/// The business scenario's own figures (see [`crate::business`]).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct BusinessFigures {
+    pub systems: u64,
+    /// HTTP calls made, retries included.
+    pub calls: u64,
+    /// Calls the system stopped waiting for (its client timeout).
+    pub timed_out: u64,
+    /// Calls after a notice's first.
+    pub retries: u64,
+    /// Retries answered `duplicate_business_key`: the key recognised a
+    /// notice an earlier, timed-out or failed call had stored.
+    pub retries_caught_by_business_key: u64,
+    /// Notices answered (stored now or recognised).
+    pub answered: u64,
+    /// Notices never answered within `max_tries`.
+    pub gave_up: u64,
+    /// Answers the driver received but dropped (`--loss-ack`), as if they
+    /// were lost on the way back.
+    pub answers_lost: u64,
+    /// `idempotency_key_reused` answers: each notice keeps its key and
+    /// body, so this must be 0.
+    pub key_reused: u64,
+    pub call_timeout_ms: f64,
+}
+
+impl BusinessFigures {
+    pub fn render(&self, out: &mut String) {
+        let _ = writeln!(
+            out,
+            "  business API     {} systems, {} calls ({} retries), {} timed out on the client (first try after {} ms), {} answers lost",
+            self.systems,
+            self.calls,
+            self.retries,
+            self.timed_out,
+            self.call_timeout_ms,
+            self.answers_lost
+        );
+        let _ = writeln!(
+            out,
+            "                   {} retries caught by the business key; {} notices answered, {} given up, key reused {}{}",
+            self.retries_caught_by_business_key,
+            self.answered,
+            self.gave_up,
+            self.key_reused,
+            if self.key_reused == 0 { "" } else { "  FAIL" }
+        );
     }
 }

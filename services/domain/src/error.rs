@@ -12,7 +12,7 @@
 
 use std::{fmt, time::Duration};
 
-use crate::model::Receipt;
+use crate::receipt::Receipt;
 
 /// What went wrong, at the granularity a caller can act on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

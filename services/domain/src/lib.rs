@@ -5,7 +5,8 @@
 //! `imdedup-proto`'s, and the process runtime is `imdedup-runtime`'s.
 //!
 //! - [`model`]: validated types (sender, client message ID, conversation,
-//!   body) and what storage and ACKs carry;
+//!   body) and what storage and ACKs carry ([`receipt`]: what a stored
+//!   message is given, named by ACKs and by errors alike);
 //! - [`error`]: the small set of error kinds and the `retryable` flag that
 //!   phones see;
 //! - [`store`] and [`window`]: the two backend traits, the durable store with
@@ -19,6 +20,7 @@ pub mod clock;
 pub mod direct;
 pub mod error;
 pub mod model;
+pub mod receipt;
 pub mod routing;
 pub mod store;
 pub mod window;

@@ -4,6 +4,7 @@
 use std::fmt;
 
 use crate::Error;
+pub use crate::receipt::Receipt;
 
 /// Largest client message ID, in bytes. 16 random bytes (or a UUID) is the
 /// recommended form.
@@ -292,14 +293,6 @@ impl StoredMessage {
     pub fn fingerprint(&self) -> Fingerprint {
         Fingerprint::of(&self.conversation, &self.body)
     }
-}
-
-/// What storage assigned to a message when it first stored it; every ACK for
-/// the message carries the same receipt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Receipt {
-    pub server_id: u64,
-    pub seq: u64,
 }
 
 /// How a send was decided.

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use imdedup_client::Encoding;
-use imdedup_loadtest::{LoadConfig, phone::ResendPolicy, run, run::Target};
+use imdedup_loadtest::{LoadConfig, Target, phone::ResendPolicy, run};
 use imdedup_runtime::secret::Secret;
 
 /// The runs below drive a cluster at 2,000 messages a second on a small
