@@ -14,6 +14,7 @@
 use std::{
     collections::HashMap,
     num::NonZeroU32,
+    path::Path,
     sync::{
         Arc, Mutex,
         atomic::{AtomicU64, Ordering},
@@ -40,7 +41,8 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     audit::{Sent, audit},
     config::{LoadConfig, Target},
-    follow,
+    cpu::ProcessCpu,
+    follow::{self, Delivered, Phones},
     phone::{Trace, wait_until},
     report::{BusinessFigures, Report},
     run::{RunResult, connect_all, due_after, pull_histories},
@@ -164,7 +166,56 @@ fn timeouts(first: Duration, max: Duration, tries: u32) -> Vec<Duration> {
     out
 }
 
+/// The business scenario: check the configuration, start or reach the
+/// target, connect the receivers and the systems, plan the notices, drive
+/// the calls with their retries while the followers read, pull every
+/// history and audit it, then add up the figures and report.
 pub async fn run(config: BusinessConfig) -> anyhow::Result<RunResult> {
+    check(&config)?;
+    let clock = ManualClock::new();
+    let dir = tempfile::tempdir()?;
+    let names = Names::new();
+    let target = reach(&config, dir.path(), &clock).await?;
+    let phones = connect_receivers(&config.load, &names, &target).await?;
+    let systems = business_clients(&config, &names, &target)?;
+    let notices = Arc::new(plan(&config, &names));
+    let readers = readers(&notices);
+    let driven = drive(&config, &names, &phones, &systems, &notices, &readers).await?;
+
+    // What the receivers see.
+    let histories = pull_histories(&phones, readers).await?;
+
+    let (figures, sent) = tally(&config, &names, &notices, &driven.results)?;
+    let mut result = audit(&sent, &histories);
+    if let Some(delivered) = &driven.delivered {
+        result.add_followers(&histories, delivered);
+    }
+    let mut report = Report::new(&config.load, &sent, driven.sending, 0, result.clone());
+    report.business = Some(figures.clone());
+    report.cpu = driven.cpu;
+    drop(phones);
+    if let Some(cluster) = target.cluster {
+        cluster.shutdown().await;
+    }
+    if figures.key_reused > 0 {
+        // Not in the audit's counts: the key was refused, nothing stored;
+        // but a run that sees one has found a bug.
+        eprintln!(
+            "business: {} calls refused as a reused key",
+            figures.key_reused
+        );
+    }
+    Ok(RunResult {
+        seconds: None,
+        report,
+        audit: result,
+    })
+}
+
+/// Refuse a configuration the scenario cannot run: no systems or no
+/// receivers, a rate that is not positive, a chance of a lost answer
+/// outside 0..=1.
+fn check(config: &BusinessConfig) -> anyhow::Result<()> {
     let load = &config.load;
     if config.systems == 0 || load.users == 0 {
         bail!("--systems and --users must be at least 1");
@@ -175,14 +226,62 @@ pub async fn run(config: BusinessConfig) -> anyhow::Result<RunResult> {
     if !(0.0..=1.0).contains(&load.loss_ack) {
         bail!("--loss-ack must be between 0 and 1, got {}", load.loss_ack);
     }
-    let clock = ManualClock::new();
-    let dir = tempfile::tempdir()?;
-    let run_tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
-    let user_name = |u: usize| format!("u{run_tag}-{u}");
-    let system_name = |k: usize| format!("b{run_tag}-{k}");
-    let (cluster, url, phone_key, service_key, now) = match &load.target {
+    Ok(())
+}
+
+/// The run's account names. Each carries the run's tag, so runs against
+/// one gateway never share an account or a conversation.
+struct Names {
+    run_tag: String,
+}
+
+impl Names {
+    /// Names under a fresh tag.
+    fn new() -> Self {
+        Self {
+            run_tag: uuid::Uuid::new_v4().simple().to_string()[..8].to_owned(),
+        }
+    }
+
+    /// Receiver `u`'s account.
+    fn user(&self, u: usize) -> String {
+        format!("u{}-{u}", self.run_tag)
+    }
+
+    /// System `k`'s account, the only sender in its service token's scope.
+    fn system(&self, k: usize) -> String {
+        format!("b{}-{k}", self.run_tag)
+    }
+
+    /// The service system `k`'s token is issued to.
+    fn service(&self, k: usize) -> String {
+        format!("svc{}-{k}", self.run_tag)
+    }
+}
+
+/// The target, started or reached: the cluster if the run started one,
+/// the gateway's URL and the keys that mint the receivers' and the
+/// systems' tokens.
+struct Reached {
+    cluster: Option<LocalCluster>,
+    url: String,
+    phone_key: TokenKey,
+    service_key: TokenKey,
+    /// When the tokens expire: an hour after the target's now.
+    exp: u64,
+}
+
+/// Start the embedded cluster (its data in `dir`, its time from `clock`)
+/// or, with `--url`, reach the running gateway, whose service-token secret
+/// the run must be given.
+async fn reach(
+    config: &BusinessConfig,
+    dir: &Path,
+    clock: &ManualClock,
+) -> anyhow::Result<Reached> {
+    let (cluster, url, phone_key, service_key, now) = match &config.load.target {
         Target::Embedded { shards } => {
-            let mut options = ClusterOptions::new(dir.path(), Arc::new(clock.clone()));
+            let mut options = ClusterOptions::new(dir, Arc::new(clock.clone()));
             options.shards = *shards;
             // Direct conversations only: each system talks to receivers
             // one to one, which needs no groups.
@@ -218,34 +317,67 @@ pub async fn run(config: BusinessConfig) -> anyhow::Result<RunResult> {
             )
         }
     };
-    let exp = now + 3600;
+    Ok(Reached {
+        cluster,
+        url,
+        phone_key,
+        service_key,
+        exp: now + 3600,
+    })
+}
 
-    // The receivers read (follow, then pull) over the phone protocol.
+/// Connect every receiver's phone: the receivers read (follow, then pull)
+/// over the phone protocol.
+async fn connect_receivers(
+    load: &LoadConfig,
+    names: &Names,
+    target: &Reached,
+) -> anyhow::Result<Phones> {
     let tokens: Vec<String> = (0..load.users)
-        .map(|u| Ok(phone_key.mint(&Sender::parse(user_name(u))?, exp)))
-        .collect::<anyhow::Result<_>>()?;
-    let phones = Arc::new(connect_all(&url, &tokens, false, load.encoding, load.manners()).await?);
-    let systems: Vec<Arc<BusinessHttp>> = (0..config.systems)
-        .map(|k| {
-            let account = system_name(k);
-            let token = service_key.mint_service(
-                &Sender::parse(format!("svc{run_tag}-{k}"))?,
-                std::slice::from_ref(&account),
-                exp,
-            );
-            Ok(Arc::new(BusinessHttp::new(&url, token)))
+        .map(|u| {
+            Ok(target
+                .phone_key
+                .mint(&Sender::parse(names.user(u))?, target.exp))
         })
         .collect::<anyhow::Result<_>>()?;
+    let phones = connect_all(&target.url, &tokens, false, load.encoding, load.manners()).await?;
+    Ok(Arc::new(phones))
+}
 
+/// A business API client per system, its service token scoped to the
+/// system's account alone.
+fn business_clients(
+    config: &BusinessConfig,
+    names: &Names,
+    target: &Reached,
+) -> anyhow::Result<Vec<Arc<BusinessHttp>>> {
+    (0..config.systems)
+        .map(|k| {
+            let account = names.system(k);
+            let token = target.service_key.mint_service(
+                &Sender::parse(names.service(k))?,
+                std::slice::from_ref(&account),
+                target.exp,
+            );
+            Ok(Arc::new(BusinessHttp::new(&target.url, token)))
+        })
+        .collect()
+}
+
+/// Plan every notice from the seed: the system that sends it, the
+/// receiver it goes to, its idempotency key and which of its tries lose
+/// their answer.
+fn plan(config: &BusinessConfig, names: &Names) -> Vec<Notice> {
+    let load = &config.load;
     let mut rng = StdRng::seed_from_u64(load.seed);
-    let notices: Vec<Notice> = (0..load.messages)
+    (0..load.messages)
         .map(|_| {
             let system = rng.random_range(0..config.systems);
             let receiver = rng.random_range(0..load.users);
             let bytes: [u8; 16] = rng.random();
             let conversation = DirectConversations::name(
-                &Sender::parse(system_name(system)).expect("a valid name"),
-                &Sender::parse(user_name(receiver)).expect("a valid name"),
+                &Sender::parse(names.system(system)).expect("a valid name"),
+                &Sender::parse(names.user(receiver)).expect("a valid name"),
             );
             let answer_lost = (0..config.max_tries.max(1))
                 .map(|_| rng.random_bool(load.loss_ack))
@@ -261,86 +393,72 @@ pub async fn run(config: BusinessConfig) -> anyhow::Result<RunResult> {
                 conversation,
             }
         })
-        .collect();
-    let notices = Arc::new(notices);
+        .collect()
+}
+
+/// Every conversation of the notices and the phone that reads it: the
+/// receiver's.
+fn readers(notices: &[Notice]) -> Vec<(String, usize)> {
     let mut readers: HashMap<String, usize> = HashMap::new();
-    for notice in notices.iter() {
+    for notice in notices {
         readers
             .entry(notice.conversation.clone())
             .or_insert(notice.receiver);
     }
-    let readers: Vec<(String, usize)> = readers.into_iter().collect();
+    readers.into_iter().collect()
+}
 
+/// What driving the calls leaves for the audit and the report.
+struct Driven {
+    results: Arc<Mutex<Results>>,
+    /// From the first notice due to the last one answered or given up.
+    sending: Duration,
+    /// CPU per answered notice over the sending.
+    cpu: Vec<ProcessCpu>,
+    /// What the followers received, if they ran.
+    delivered: Option<Delivered>,
+}
+
+/// Drive the business calls: while the followers read (unless turned off)
+/// and a progress line counts the answers (unless quiet), each system
+/// sends its notices when they are due and retries them with their keys.
+/// Then the CPU per answered notice is read, and the progress line and the
+/// followers stop.
+async fn drive(
+    config: &BusinessConfig,
+    names: &Names,
+    phones: &Phones,
+    systems: &[Arc<BusinessHttp>],
+    notices: &Arc<Vec<Notice>>,
+    readers: &[(String, usize)],
+) -> anyhow::Result<Driven> {
+    let load = &config.load;
     let stop_following = CancellationToken::new();
     let following = load.followers.then(|| {
         tokio::spawn(follow::follow(
-            Arc::clone(&phones),
-            readers.clone(),
+            Arc::clone(phones),
+            readers.to_vec(),
             stop_following.clone(),
         ))
     });
-
-    let policy = Arc::new(RetryPolicy {
-        timeouts: timeouts(
-            config.call_timeout,
-            config.max_call_timeout,
-            config.max_tries,
-        ),
-        pause: Duration::from_millis(10),
-        max_tries: config.max_tries.max(1),
-    });
-    let body: Arc<str> = "n".repeat(load.body_bytes.max(1)).into();
-    let results: Arc<Mutex<Results>> =
-        Arc::new(Mutex::new((0..notices.len()).map(|_| None).collect()));
-    let answered = Arc::new(AtomicU64::new(0));
-    let reporter = load.progress.then(|| {
-        let answered = Arc::clone(&answered);
-        let total = notices.len();
-        tokio::spawn(async move {
-            let started = Instant::now();
-            loop {
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                eprintln!(
-                    "t={:>5.1}s  answered {}/{total}",
-                    started.elapsed().as_secs_f64(),
-                    answered.load(Ordering::Relaxed)
-                );
-            }
-        })
-    });
+    let calling = Calling {
+        notices: Arc::clone(notices),
+        systems: systems.to_vec(),
+        policy: Arc::new(retry_policy(config)),
+        body: "n".repeat(load.body_bytes.max(1)).into(),
+        results: Arc::new(Mutex::new((0..notices.len()).map(|_| None).collect())),
+        answered: Arc::new(AtomicU64::new(0)),
+    };
+    let reporter = load
+        .progress
+        .then(|| report_progress(Arc::clone(&calling.answered), notices.len()));
     let cpu_baseline = crate::cpu::baseline(&load.admin).await?;
     let started = Instant::now();
-    let mut tasks = tokio::task::JoinSet::new();
-    for index in 0..notices.len() {
-        let due = due_after(index as u64, load.rate, load.ramp);
-        wait_until(started + due).await;
-        let (notices, systems, policy, body, results, answered) = (
-            Arc::clone(&notices),
-            systems.clone(),
-            Arc::clone(&policy),
-            Arc::clone(&body),
-            Arc::clone(&results),
-            Arc::clone(&answered),
-        );
-        let account = system_name(notices[index].system);
-        tasks.spawn(async move {
-            let notice = &notices[index];
-            let calls = call(&systems[notice.system], notice, &account, &body, &policy).await;
-            if calls.received.is_some() {
-                answered.fetch_add(1, Ordering::Relaxed);
-            }
-            if let Ok(mut results) = results.lock() {
-                results[index] = Some((calls, due));
-            }
-        });
-    }
-    while let Some(done) = tasks.join_next().await {
-        done?;
-    }
+    send_all(load, names, &calling, started).await?;
     let sending = started.elapsed();
     let cpu = crate::run::cpu_per_message(
         &cpu_baseline,
-        answered.load(Ordering::Relaxed),
+        calling.answered.load(Ordering::Relaxed),
         &load.target,
     )
     .await?;
@@ -352,10 +470,113 @@ pub async fn run(config: BusinessConfig) -> anyhow::Result<RunResult> {
         Some(following) => Some(following.await?),
         None => None,
     };
+    Ok(Driven {
+        results: calling.results,
+        sending,
+        cpu,
+        delivered,
+    })
+}
 
-    // What the receivers see.
-    let histories = pull_histories(&phones, readers).await?;
+/// The systems' retry policy: client timeouts from `--call-timeout`
+/// doubling up to `--max-call-timeout`, at least 10 ms between tries, at
+/// most `--max-tries` tries.
+fn retry_policy(config: &BusinessConfig) -> RetryPolicy {
+    RetryPolicy {
+        timeouts: timeouts(
+            config.call_timeout,
+            config.max_call_timeout,
+            config.max_tries,
+        ),
+        pause: Duration::from_millis(10),
+        max_tries: config.max_tries.max(1),
+    }
+}
 
+/// Print how many of the `total` notices are answered, once a second,
+/// until aborted.
+fn report_progress(answered: Arc<AtomicU64>, total: usize) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let started = Instant::now();
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            eprintln!(
+                "t={:>5.1}s  answered {}/{total}",
+                started.elapsed().as_secs_f64(),
+                answered.load(Ordering::Relaxed)
+            );
+        }
+    })
+}
+
+/// What every notice's task shares: the notices, the systems' clients,
+/// the retry policy and the body, where each notice's results go and the
+/// count of answered notices.
+#[derive(Clone)]
+struct Calling {
+    notices: Arc<Vec<Notice>>,
+    systems: Vec<Arc<BusinessHttp>>,
+    policy: Arc<RetryPolicy>,
+    body: Arc<str>,
+    results: Arc<Mutex<Results>>,
+    answered: Arc<AtomicU64>,
+}
+
+impl Calling {
+    /// Make notice `index`'s calls as `account`, count it if answered and
+    /// keep how its calls went with when it was `due`.
+    async fn send(&self, index: usize, account: &str, due: Duration) {
+        let notice = &self.notices[index];
+        let calls = call(
+            &self.systems[notice.system],
+            notice,
+            account,
+            &self.body,
+            &self.policy,
+        )
+        .await;
+        if calls.received.is_some() {
+            self.answered.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Ok(mut results) = self.results.lock() {
+            results[index] = Some((calls, due));
+        }
+    }
+}
+
+/// Open loop: start each notice's calls in a task of its own when the
+/// notice is due (counted from `started`), whatever the answers so far,
+/// then wait for every task to finish.
+async fn send_all(
+    load: &LoadConfig,
+    names: &Names,
+    calling: &Calling,
+    started: Instant,
+) -> anyhow::Result<()> {
+    let mut tasks = tokio::task::JoinSet::new();
+    for index in 0..calling.notices.len() {
+        let due = due_after(index as u64, load.rate, load.ramp);
+        wait_until(started + due).await;
+        let calling = calling.clone();
+        let account = names.system(calling.notices[index].system);
+        tasks.spawn(async move { calling.send(index, &account, due).await });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done?;
+    }
+    Ok(())
+}
+
+/// Add up the business figures and turn each notice into what the audit
+/// checks: its system's account, its conversation, its message ID (the one
+/// the gateway derives from its key) and its trace: the answers the
+/// gateway sent, the one the system got, its tries and errors.
+fn tally(
+    config: &BusinessConfig,
+    names: &Names,
+    notices: &[Notice],
+    results: &Mutex<Results>,
+) -> anyhow::Result<(BusinessFigures, Vec<Sent>)> {
     let results = std::mem::take(&mut *results.lock().map_err(|_| anyhow::anyhow!("poisoned"))?);
     let mut figures = BusinessFigures {
         systems: config.systems as u64,
@@ -391,7 +612,7 @@ pub async fn run(config: BusinessConfig) -> anyhow::Result<RunResult> {
             None => figures.gave_up += 1,
         }
         sent.push(Sent {
-            sender: system_name(notice.system),
+            sender: names.system(notice.system),
             conversation: notice.conversation.clone(),
             trace: Trace {
                 received: calls.received.as_ref().map(ack),
@@ -406,30 +627,7 @@ pub async fn run(config: BusinessConfig) -> anyhow::Result<RunResult> {
             id,
         });
     }
-    let mut result = audit(&sent, &histories);
-    if let Some(delivered) = &delivered {
-        result.add_followers(&histories, delivered);
-    }
-    let mut report = Report::new(load, &sent, sending, 0, result.clone());
-    report.business = Some(figures.clone());
-    report.cpu = cpu;
-    drop(phones);
-    if let Some(cluster) = cluster {
-        cluster.shutdown().await;
-    }
-    if figures.key_reused > 0 {
-        // Not in the audit's counts: the key was refused, nothing stored;
-        // but a run that sees one has found a bug.
-        eprintln!(
-            "business: {} calls refused as a reused key",
-            figures.key_reused
-        );
-    }
-    Ok(RunResult {
-        seconds: None,
-        report,
-        audit: result,
-    })
+    Ok((figures, sent))
 }
 
 #[cfg(test)]
