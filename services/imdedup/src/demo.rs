@@ -568,7 +568,8 @@ impl Tally {
 /// Say whether the late resend of #3 got the same ACK as the first send
 /// (dedup's promise), when there was a late resend and #3 was ACKed.
 fn print_late_ack(late: Option<&AckReply>, deliveries: &[Delivery]) {
-    if let (Some(ack), Delivery::Acked(first)) = (late, &deliveries[2]) {
+    // `get`: with --messages 1 or 2 there is no #3 (and no late resend).
+    if let (Some(ack), Some(Delivery::Acked(first))) = (late, deliveries.get(2)) {
         let same = (ack.server_id, ack.seq) == (first.server_id, first.seq);
         println!(
             "\nThe late resend of #3 got {} ACK: server id {} seq {} (first: {} / {}).",
