@@ -3,7 +3,7 @@
 //! that never outlives its test.
 
 use std::{
-    net::{SocketAddr, TcpListener, TcpStream},
+    net::{SocketAddr, TcpStream},
     process::{Child, Command, ExitStatus},
     sync::atomic::{AtomicU16, Ordering},
     time::{Duration, Instant},
@@ -14,14 +14,18 @@ use std::{
 /// any outgoing connection between this check and the process's bind.
 /// Test binaries run side by side: each picks from its own stretch of 120
 /// ports, by its pid.
+///
+/// The check is a refused connection, not a probe listener: a listener
+/// closed again can live on for a moment in a child that another test
+/// forks at that instant (until its exec closes the descriptor), and the
+/// port is then still taken when the caller binds it.
 pub fn free_addr() -> SocketAddr {
     static NEXT: AtomicU16 = AtomicU16::new(0);
     let base = 20_000 + u16::try_from(std::process::id() % 100).unwrap_or(0) * 120;
     loop {
         let port = base + NEXT.fetch_add(1, Ordering::Relaxed) % 120;
-        if let Ok(listener) = TcpListener::bind(("127.0.0.1", port))
-            && let Ok(addr) = listener.local_addr()
-        {
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err() {
             return addr;
         }
     }
@@ -93,6 +97,8 @@ impl Drop for Process {
 
 #[cfg(test)]
 mod tests {
+    use std::net::TcpListener;
+
     use super::*;
 
     #[test]
