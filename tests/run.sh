@@ -28,6 +28,9 @@ cargo machete
 
 # Build first, so the services do not sit idle through a cold compile.
 cargo test --workspace --locked --features imdedup/testing,imdedup-integration-tests/testing --no-run
+# The scenarios below run the binaries themselves (target/debug/imdedup and
+# imdedup-load); `cargo test` builds only the ones its own tests need.
+cargo build --workspace --locked --features imdedup/testing --bins
 
 # Stop the services at the end only if none were running before.
 started_here=0
@@ -54,7 +57,7 @@ tests/chart/chart-test.sh
 
 # The Grafana dashboard and the Prometheus rules, proven against a real
 # Prometheus scraping a local cluster under load (installs prometheus once).
-# `cargo test` has built target/debug/imdedup and imdedup-load already.
+# target/debug/imdedup and imdedup-load are built already (above).
 IMDEDUP_PROOF_NO_BUILD=1 tests/scenarios/observability-proof.sh
 
 # Past capacity (more load than the service can serve), the short version:
