@@ -40,17 +40,23 @@
 //! refusal is counted as shed.
 //!
 //! **Held sends.** A phone that asks for `queue` is not refused: the
-//! gateway holds its send and presents it at the appointment itself
-//! ([`Admission::admit_due`]). Such a send that finds no place waits for
-//! one, first come first served, for a moment, rather than being given an
-//! appointment at the end: it is the oldest work there is.
+//! gateway holds its send with its appointment, in one queue in the order
+//! of the appointments ([`Admission::hold`]), and presents it itself. A
+//! place given back goes to the oldest held send when its appointment has
+//! come (up to twice the limit, as for a phone back on time), or whatever
+//! its appointment when the gateway is less than [`PULL_FORWARD`] full:
+//! then no new send is there to take the place, and keeping it for the
+//! appointment would leave capacity idle while sends wait. Nothing waits
+//! on a clock: the places given back drive the queue (and while fewer than
+//! that are in flight, nothing is held). A held send still there long
+//! after its appointment ([`STALE_AFTER`] the horizon) is given up.
 //!
 //! Appointments are by (sender, message ID), hashed: another connection of
 //! the same phone with the same message keeps the same turn, and a hash
 //! collision only gives a stranger's message a turn early.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, VecDeque},
     hash::{BuildHasher, Hash, Hasher, RandomState},
     sync::{Arc, Mutex, PoisonError},
     time::{Duration, Instant},
@@ -58,7 +64,7 @@ use std::{
 
 use imdedup_domain::{Error, ErrorKind, model::Ack};
 use rand::Rng;
-use tokio::sync::Notify;
+use tokio::sync::oneshot;
 
 /// Bounds of the admission limit and of the appointments.
 #[derive(Debug, Clone, Copy)]
@@ -109,6 +115,12 @@ const MIN_WAIT: Duration = Duration::from_millis(5);
 const MAX_BOOKED: usize = 1 << 20;
 /// An appointment nobody came for is forgotten this long after its time.
 const FORGET_AFTER: Duration = Duration::from_secs(60);
+/// A send held this many horizons is given up (refused): its phone has
+/// resent it or given up long ago.
+const STALE_AFTER: f64 = 1.5;
+/// Below this share of the limit in flight, held sends go before their
+/// appointment.
+const PULL_FORWARD: f64 = 0.875;
 
 /// Why a send was not taken in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -160,9 +172,41 @@ pub struct Admission {
     state: Mutex<State>,
     options: AdmissionOptions,
     keys: RandomState,
-    /// Woken when a place is given back: held sends whose appointment has
-    /// come wait on it for a place.
-    room: Notify,
+}
+
+/// A held send's place in the queue: it receives the send's place of the
+/// limit when its turn comes.
+pub struct Ticket {
+    place: oneshot::Receiver<Pass>,
+}
+
+impl Ticket {
+    /// The place, if it came already.
+    pub fn ready(&mut self) -> Option<Pass> {
+        self.place.try_recv().ok()
+    }
+
+    /// Wait for the place; `None` if the send was held too long and given
+    /// up.
+    pub async fn place(self) -> Option<Pass> {
+        self.place.await.ok()
+    }
+}
+
+/// A held send in the queue.
+struct Waiter {
+    key: u64,
+    /// Its appointment.
+    due: Instant,
+    place: oneshot::Sender<Pass>,
+}
+
+impl std::fmt::Debug for Waiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Waiter")
+            .field("due", &self.due)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A place taken by an admitted send; given back when dropped. A pass
@@ -182,8 +226,12 @@ impl Pass {
 
 impl Drop for Pass {
     fn drop(&mut self) {
-        self.admission
-            .release(self.started, Instant::now(), self.completion);
+        Admission::release(
+            &self.admission,
+            self.started,
+            Instant::now(),
+            self.completion,
+        );
     }
 }
 
@@ -194,7 +242,6 @@ impl Admission {
             state: Mutex::new(State::new(options, now)),
             options,
             keys: RandomState::new(),
-            room: Notify::new(),
         })
     }
 
@@ -233,35 +280,31 @@ impl Admission {
         state.book(key, Instant::now(), &self.options, &mut rand::rng())
     }
 
-    /// Take in a held send of (`sender`, `id`) whose appointment has come:
-    /// in as soon as there is a place for an appointment (up to twice the
-    /// limit), waiting for one up to `patience`, first come first served.
-    /// The gateway holds the send already, so waiting costs no frame; sent
-    /// to the end of the appointments instead, the oldest sends would wait
-    /// longest. After `patience`, the appointment is given again as for a
-    /// phone that came back on time and found no place.
-    pub async fn admit_due(
-        self: &Arc<Self>,
-        sender: &str,
-        id: &[u8],
-        patience: Duration,
-    ) -> Result<Pass, Refusal> {
-        let key = self.key(sender, id);
-        let deadline = tokio::time::Instant::now() + patience;
+    /// Hold the send of (`sender`, `id`), whose appointment is `wait`
+    /// from now, until a place is given to it (see the module's comment).
+    pub fn hold(self: &Arc<Self>, sender: &str, id: &[u8], wait: Duration) -> Ticket {
+        let (tx, place) = oneshot::channel();
+        let waiter = Waiter {
+            key: self.key(sender, id),
+            due: Instant::now() + wait,
+            place: tx,
+        };
+        self.lock().hold(waiter);
+        self.dispatch();
+        Ticket { place }
+    }
+
+    /// Give the held sends the places that are theirs, oldest first.
+    fn dispatch(self: &Arc<Self>) {
+        let stale = self.options.horizon.mul_f64(STALE_AFTER);
         loop {
-            let room = self.room.notified();
             let now = Instant::now();
-            if self.lock().admit_due(key) {
-                return Ok(self.pass(now));
-            }
-            if tokio::time::timeout_at(deadline, room).await.is_err() {
-                let mut rng = rand::rng();
-                let now = Instant::now();
-                return self
-                    .lock()
-                    .admit(key, now, &self.options, &mut rng)
-                    .map(|()| self.pass(now));
-            }
+            let Some(waiter) = self.lock().next_held(now, stale) else {
+                return;
+            };
+            // A held send whose connection closed just now gives its
+            // place back as it is dropped.
+            let _ = waiter.place.send(self.pass(now));
         }
     }
 
@@ -270,7 +313,7 @@ impl Admission {
         self.lock().aimd.limit()
     }
 
-    /// Appointments given out and not kept yet.
+    /// Appointments given out and not kept yet (held sends included).
     pub fn booked(&self) -> usize {
         self.lock().book.len()
     }
@@ -286,16 +329,19 @@ impl Admission {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn release(&self, started: Instant, now: Instant, completion: Option<Completion>) {
-        {
+    fn release(self: &Arc<Self>, started: Instant, now: Instant, completion: Option<Completion>) {
+        let holding = {
             let mut state = self.lock();
             state.in_flight = state.in_flight.saturating_sub(1);
             if let Some(completion) = completion {
                 let in_flight = state.in_flight + 1;
                 state.completed(started, now, in_flight, completion);
             }
+            !state.held.is_empty()
+        };
+        if holding {
+            self.dispatch();
         }
-        self.room.notify_one();
     }
 }
 
@@ -310,6 +356,8 @@ struct State {
     last_slot: Instant,
     book: HashMap<u64, Instant>,
     last_sweep: Instant,
+    /// Held sends, in the order of their appointments.
+    held: VecDeque<Waiter>,
 }
 
 impl State {
@@ -321,6 +369,7 @@ impl State {
             last_slot: now,
             book: HashMap::new(),
             last_sweep: now,
+            held: VecDeque::new(),
         }
     }
 
@@ -390,15 +439,37 @@ impl State {
         }
     }
 
-    /// A held send whose appointment has come: in if there is a place for
-    /// an appointment. Its appointment stays booked until then.
-    fn admit_due(&mut self, key: u64) -> bool {
-        if self.in_flight >= self.aimd.limit().saturating_mul(2) {
-            return false;
+    fn hold(&mut self, waiter: Waiter) {
+        // Appointments are handed out in order, so the queue stays in
+        // their order (a send held behind its conversation's held send may
+        // repeat an earlier appointment; it still goes after that send).
+        self.held.push_back(waiter);
+    }
+
+    /// The oldest held send, if a place is its (taken for it): its
+    /// appointment has come and there is a place for an appointment, or
+    /// the gateway is far enough from its limit that no new send needs the
+    /// place. Held sends whose connection closed are dropped on the way,
+    /// and so are those held longer than `stale` (their phones are told).
+    fn next_held(&mut self, now: Instant, stale: Duration) -> Option<Waiter> {
+        while let Some(front) = self.held.front() {
+            if front.place.is_closed() || now.saturating_duration_since(front.due) > stale {
+                let gone = self.held.pop_front()?;
+                self.book.remove(&gone.key);
+                continue;
+            }
+            let limit = self.aimd.limit();
+            let due = front.due <= now + EARLY && self.in_flight < limit.saturating_mul(2);
+            let idle = (self.in_flight as f64) < limit as f64 * PULL_FORWARD;
+            if !(due || idle) {
+                return None;
+            }
+            let waiter = self.held.pop_front()?;
+            self.book.remove(&waiter.key);
+            self.in_flight += 1;
+            return Some(waiter);
         }
-        self.book.remove(&key);
-        self.in_flight += 1;
-        true
+        None
     }
 
     fn completed(
@@ -605,47 +676,82 @@ mod tests {
         }
     }
 
+    /// A send refused with an appointment, held until it.
+    fn hold(admission: &Arc<Admission>, id: &[u8]) -> Ticket {
+        match admission.admit("ana", id) {
+            Err(Refusal::Appointment { retry_after }) => admission.hold("ana", id, retry_after),
+            other => panic!("expected an appointment, got {:?}", other.map(|_| ())),
+        }
+    }
+
     #[tokio::test]
-    async fn a_due_held_send_waits_for_a_place_instead_of_going_to_the_end() {
-        // A limit of one: appointments go in up to two in flight.
-        let admission = Admission::new(options(1));
-        let first = admission.admit("ana", b"1").unwrap();
+    async fn held_sends_take_places_at_their_appointment_or_when_the_gateway_idles() {
+        // A limit of ten: new sends first while it is busy.
+        let admission = Admission::new(options(10));
+        let mut first: Vec<Pass> = (0..10u8)
+            .map(|i| admission.admit("ana", &[i]).unwrap())
+            .collect();
+        let mut a = hold(&admission, b"a");
+        let mut b = hold(&admission, b"b");
+        // A held send whose connection closes gives up its turn.
+        drop(hold(&admission, b"gone"));
+        let mut c = hold(&admission, b"c");
+        assert_eq!(admission.booked(), 4);
+        // A place given back while the gateway stays busy goes to a new
+        // send, not to a held send before its appointment.
+        first.pop();
+        assert!(a.ready().is_none());
+        first.push(admission.admit("ana", b"new").expect("the free place"));
+        // Once fewer than seven eighths of the limit are in flight, the
+        // held sends go, oldest first, past the closed one.
+        first.truncate(9);
+        assert!(a.ready().is_none(), "9 in flight of 10");
+        first.truncate(8);
+        let a = a.ready().expect("pulled forward");
+        first.truncate(7);
+        let b = b.ready().expect("pulled forward");
+        assert!(c.ready().is_none(), "9 in flight");
+        first.push(admission.admit("ana", b"x").unwrap());
+        // At its appointment a held send goes in even above the limit (up
+        // to twice it), as a phone back for its appointment does: the
+        // appointments are paced at what the gateway serves. (Before the
+        // pace is measured it is ten sends a second: c's appointment is
+        // 0.4 s away, the late phone's 0.5 s.)
         assert!(matches!(
-            admission.admit("ana", b"2"),
+            admission.admit("ana", b"late"),
             Err(Refusal::Appointment { .. })
         ));
-        let second = admission
-            .admit_due("ana", b"2", Duration::from_secs(10))
-            .await
-            .unwrap();
-        assert!(matches!(
-            admission.admit("ana", b"3"),
-            Err(Refusal::Appointment { .. })
-        ));
-        // Two in flight: the third waits for a place...
-        let third = tokio::spawn({
-            let admission = Arc::clone(&admission);
-            async move {
-                admission
-                    .admit_due("ana", b"3", Duration::from_secs(30))
-                    .await
-            }
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        first.push(admission.admit("ana", b"late").expect("its appointment"));
+        assert!(c.ready().is_none(), "no place given back yet");
+        first.pop();
+        let c = c.ready().expect("in at its appointment, above the limit");
+        assert_eq!(admission.lock().in_flight, 11);
+        drop((a, b, c, first));
+        assert_eq!(admission.lock().in_flight, 0);
+        assert_eq!(admission.booked(), 0, "every appointment used or dropped");
+    }
+
+    #[test]
+    fn a_held_send_long_past_its_appointment_is_given_up() {
+        let now = Instant::now();
+        let mut state = State::new(options(1), now);
+        state.in_flight = 2;
+        let (tx, mut rx) = oneshot::channel();
+        state.hold(Waiter {
+            key: 7,
+            due: now,
+            place: tx,
         });
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        assert!(!third.is_finished(), "no place yet");
-        // ...and takes the one given back.
-        drop(first);
-        let third = third.await.unwrap().expect("in, on the freed place");
-        assert_eq!(admission.lock().in_flight, 2);
-        assert_eq!(admission.booked(), 0, "both appointments used");
-        // Past its patience without a place: a new appointment.
+        // Twice the limit in flight: not even at its appointment.
+        assert!(state.next_held(now, Duration::from_secs(30)).is_none());
+        let later = now + Duration::from_secs(31);
+        assert!(state.next_held(later, Duration::from_secs(30)).is_none());
+        assert!(state.held.is_empty());
         assert!(matches!(
-            admission
-                .admit_due("ana", b"4", Duration::from_millis(20))
-                .await,
-            Err(Refusal::Appointment { .. })
+            rx.try_recv(),
+            Err(oneshot::error::TryRecvError::Closed)
         ));
-        drop((second, third));
     }
 
     #[test]

@@ -374,7 +374,7 @@ impl HeldSends {
     }
 }
 
-/// Send a held send when its appointment comes, after the sends of its
+/// Send a held send when its place comes, after the sends of its
 /// conversation before it, and answer it; or answer `unavailable` if the
 /// connection ends first.
 async fn serve_held(
@@ -387,31 +387,23 @@ async fn serve_held(
 ) {
     let to = ReplyTo::send(&cmd);
     let id_b64 = cmd.id_b64;
-    let Held { wait, leader, .. } = hold;
-    let due = tokio::select! {
-        () = closing.cancelled() => false,
-        () = tokio::time::sleep(wait) => true,
+    let Held { ticket, leader, .. } = hold;
+    let placed = tokio::select! {
+        () = closing.cancelled() => Err(Error::unavailable(
+            "the connection closed before the queued send's turn; not stored: resend with the same id",
+        )),
+        pass = ticket.place() => pass.ok_or_else(|| reply.gateway.held_too_long()),
     };
     let in_flight = reply.gateway.metrics().send_started();
-    let result = if due {
-        let going = turn.wait().await;
-        match reply
-            .gateway
-            .admit_held(&sender, &cmd.id, QUEUED_GRACE / 2)
-            .await
-        {
-            Ok(pass) => {
-                let result = send(&reply.gateway, sender, cmd).await;
-                drop(going);
-                pass.finish(Completion::of(&result));
-                result
-            }
-            Err(refused) => Err(refused),
+    let result = match placed {
+        Ok(pass) => {
+            let going = turn.wait().await;
+            let result = send(&reply.gateway, sender, cmd).await;
+            drop(going);
+            pass.finish(Completion::of(&result));
+            result
         }
-    } else {
-        Err(Error::unavailable(
-            "the connection closed before the queued send's turn; not stored: resend with the same id",
-        ))
+        Err(error) => Err(error),
     };
     if let Some(leader) = leader {
         leader.answer(&result);

@@ -22,7 +22,7 @@ use std::{
     time::Duration,
 };
 
-use admission::{Admission, AdmissionOptions, Pass, Refusal};
+use admission::{Admission, AdmissionOptions, Pass, Refusal, Ticket};
 use axum::{
     Json, Router,
     extract::{
@@ -137,6 +137,8 @@ pub(crate) enum AdmittedSend {
 
 /// A send the gateway holds, without a place of the admission limit yet.
 pub(crate) struct Held {
+    /// Its place in the queue of held sends.
+    pub ticket: Ticket,
     /// Until its appointment.
     pub wait: Duration,
     /// Its answer goes to the copies that join it.
@@ -265,7 +267,6 @@ impl Gateway {
             // No room to hold it: the phone keeps the appointment.
             return Err(self.refused(Refusal::Appointment { retry_after: wait }));
         };
-        self.metrics.send_queued();
         let leader = match self.resends.lead(key) {
             Ok(leader) => leader,
             Err(follower) => {
@@ -273,26 +274,26 @@ impl Gateway {
                 return Ok(AdmittedSend::Join(follower));
             }
         };
+        let mut ticket = self.admission.hold(sender.as_str(), &cmd.id, wait);
+        if let Some(pass) = ticket.ready() {
+            // A place was free for it (the gateway is far from its limit):
+            // no need to hold it.
+            return Ok(AdmittedSend::Lead { pass, leader });
+        }
+        self.metrics.send_queued();
         Ok(AdmittedSend::Held(Held {
+            ticket,
             wait,
             leader,
             _budget: budget,
         }))
     }
 
-    /// A place of the admission limit for a held send whose appointment has
-    /// come (it was charged to the user's rate when it was held), waiting
-    /// for one up to `patience`.
-    pub(crate) async fn admit_held(
-        &self,
-        sender: &Sender,
-        id: &[u8],
-        patience: Duration,
-    ) -> Result<Pass, Error> {
-        self.admission
-            .admit_due(sender.as_str(), id, patience)
-            .await
-            .map_err(|refusal| self.refused(refusal))
+    /// The answer to a held send given up before a place came for it.
+    pub(crate) fn held_too_long(&self) -> Error {
+        self.refused(Refusal::Shed {
+            retry_after: Duration::from_secs(1),
+        })
     }
 
     /// A place of the admission limit for a send of `sender` with `id`,
