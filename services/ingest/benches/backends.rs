@@ -1,7 +1,8 @@
 //! Backend benchmark: prints, in one run against the real Redis and CQL
 //! database of `tests/services/services.sh`,
 //! 1. the raw rate of `INSERT … IF NOT EXISTS` against the database alone
-//!    (the ceiling);
+//!    (the ceiling), and of the plain history-row write beside it, and what
+//!    the pipeline's mix of requests allows from those two alone;
 //! 2. the ingest pipeline's rate of new messages (Redis claim, LWT insert,
 //!    history row, Redis remember) against the same database, and its ratio
 //!    to the ceiling;
@@ -211,7 +212,52 @@ async fn main() {
     let _ = raw(format!("warm{run}"), warmup).await;
     let _ = pipeline(format!("pwarm{run}"), warmup).await;
     let rounds = env_or("BENCH_ROUNDS", 5).max(1);
+    // 1b. A plain write of a history row, as the pipeline's pending write
+    // and commit are, same concurrency.
+    let mut write = session
+        .prepare(format!(
+            "INSERT INTO {}.messages_by_conversation \
+             (conversation, seq, sender, client_msg_id, server_id, body, stored_at_ms, pending, abandoned) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, true, false)",
+            options.keyspace
+        ))
+        .await
+        .unwrap();
+    write.set_consistency(options.consistency);
+    let raw_write = |prefix: String, count: usize| {
+        let (session, write) = (Arc::clone(&session), write.clone());
+        async move {
+            let started = Instant::now();
+            stream::iter(0..count)
+                .for_each_concurrent(concurrency, move |i| {
+                    let (session, write) = (Arc::clone(&session), write.clone());
+                    let m = message(&prefix, i, 1000);
+                    async move {
+                        session
+                            .execute_unpaged(
+                                &write,
+                                (
+                                    m.conversation.as_str(),
+                                    i as i64,
+                                    m.key.sender.as_str(),
+                                    m.key.client_msg_id.as_bytes(),
+                                    i as i64,
+                                    m.body.as_str(),
+                                    0_i64,
+                                ),
+                            )
+                            .await
+                            .unwrap();
+                    }
+                })
+                .await;
+            count as f64 / started.elapsed().as_secs_f64()
+        }
+    };
+    let _ = raw_write(format!("wwarm{run}"), warmup).await;
+
     let (mut ceilings, mut pipelines, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut writes, mut mix_ratios) = (Vec::new(), Vec::new());
     // What the pipeline's new messages cost the database, every request the
     // store sent counted (seq and server-id leases and the membership's
     // heartbeats included, spread over the messages).
@@ -236,11 +282,18 @@ async fn main() {
             let rate = counted(rate, before, &mut new_requests);
             (raw(raw_prefix, messages).await, rate)
         };
+        let write_rate = raw_write(format!("w{round}{run}"), messages).await;
+        // The database's time per message if it did nothing but the
+        // pipeline's requests, each at its raw rate: one LWT, two writes.
+        let mix = 1.0 / (1.0 / ceiling + 2.0 / write_rate);
         println!(
-            "   round {}: raw {ceiling:>6.0} inserts/s, pipeline {rate:>6.0} msgs/s, ratio {:.2}",
+            "   round {}: raw {ceiling:>6.0} inserts/s, pipeline {rate:>6.0} msgs/s, ratio {:.2}; plain writes {write_rate:>6.0}/s, the mix allows {:.2}",
             round + 1,
-            rate / ceiling
+            rate / ceiling,
+            mix / ceiling
         );
+        writes.push(write_rate);
+        mix_ratios.push(mix / ceiling);
         ceilings.push(ceiling);
         pipelines.push(rate);
         ratios.push(rate / ceiling);
@@ -257,6 +310,12 @@ async fn main() {
         ratios[ratios.len() - 1],
     );
 
+    let (write_rate, mix_ratio) = (median(&mut writes), median(&mut mix_ratios));
+    let lwt_in_writes = write_rate / median(&mut ceilings);
+    println!(
+        "1b. raw plain history-row write:           {write_rate:>9.0} writes/s; an LWT costs the database {lwt_in_writes:.1} plain writes, so 1 LWT + 2 writes per message allow {mix_ratio:.2} of the ceiling at best (median of {rounds} rounds), 1 LWT + 1 write {:.2}",
+        lwt_in_writes / (lwt_in_writes + 1.0),
+    );
     let per_new = per_message([0; 4], new_requests, messages * rounds);
     println!(
         "   per new message: LWT {:.3}, writes {:.3}, reads {:.3}, serial reads {:.3} (every request the store sent, leases and heartbeats included; goal <= 1 LWT + 1 write)",
