@@ -43,6 +43,7 @@ use crate::{
     config::{LoadConfig, Target},
     cpu::ProcessCpu,
     follow::{self, Delivered, Phones},
+    names::Names,
     phone::{Trace, wait_until},
     report::{BusinessFigures, Report},
     run::{RunResult, connect_all, due_after, pull_histories},
@@ -227,36 +228,6 @@ fn check(config: &BusinessConfig) -> anyhow::Result<()> {
         bail!("--loss-ack must be between 0 and 1, got {}", load.loss_ack);
     }
     Ok(())
-}
-
-/// The run's account names. Each carries the run's tag, so runs against
-/// one gateway never share an account or a conversation.
-struct Names {
-    run_tag: String,
-}
-
-impl Names {
-    /// Names under a fresh tag.
-    fn new() -> Self {
-        Self {
-            run_tag: uuid::Uuid::new_v4().simple().to_string()[..8].to_owned(),
-        }
-    }
-
-    /// Receiver `u`'s account.
-    fn user(&self, u: usize) -> String {
-        format!("u{}-{u}", self.run_tag)
-    }
-
-    /// System `k`'s account, the only sender in its service token's scope.
-    fn system(&self, k: usize) -> String {
-        format!("b{}-{k}", self.run_tag)
-    }
-
-    /// The service system `k`'s token is issued to.
-    fn service(&self, k: usize) -> String {
-        format!("svc{}-{k}", self.run_tag)
-    }
 }
 
 /// The target, started or reached: the cluster if the run started one,

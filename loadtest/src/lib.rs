@@ -15,6 +15,7 @@ pub mod cpu;
 pub mod follow;
 pub mod html;
 pub mod link;
+mod names;
 pub mod overload;
 pub mod phone;
 pub mod report;

@@ -33,6 +33,7 @@ use crate::{
     cpu::{self, AdminTarget, ProcessCpu},
     follow::{self, Delivered, Phones},
     link::{Link, Manners},
+    names::Names,
     overload::{CpuSample, MessageFate, Recorded, schedule_dues},
     phone::{Fate, Outgoing, Trace, TryCounts, deliver, wait_until},
     report::Report,
@@ -293,34 +294,6 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<RunResult> {
         audit: result,
         seconds,
     })
-}
-
-/// The run's user and group names, each tagged with the run (a fresh tag
-/// per run), so that two runs against one gateway do not share a
-/// conversation.
-struct Names {
-    tag: String,
-}
-
-impl Names {
-    /// Names under a fresh tag.
-    fn new() -> Self {
-        Self {
-            tag: uuid::Uuid::new_v4().simple().to_string()[..8].to_owned(),
-        }
-    }
-
-    /// The user name of phone `u`.
-    fn user(&self, u: usize) -> String {
-        let tag = &self.tag;
-        format!("u{tag}-{u}")
-    }
-
-    /// The name of group `g`.
-    fn group(&self, g: usize) -> String {
-        let tag = &self.tag;
-        format!("g{tag}-{g}")
-    }
 }
 
 /// What the run reached: the cluster it started (with `--embedded`), the

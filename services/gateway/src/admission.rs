@@ -296,16 +296,24 @@ impl Admission {
 
     /// Give the held sends the places that are theirs, oldest first.
     fn dispatch(self: &Arc<Self>) {
-        let stale = self.options.horizon.mul_f64(STALE_AFTER);
         loop {
             let now = Instant::now();
-            let Some(waiter) = self.lock().next_held(now, stale) else {
+            let Some(waiter) = self.lock().next_held(now, self.stale()) else {
                 return;
             };
-            // A held send whose connection closed just now gives its
-            // place back as it is dropped.
-            let _ = waiter.place.send(self.pass(now));
+            self.give(waiter, now);
         }
+    }
+
+    /// Hand `waiter` the place taken for it. A held send whose connection
+    /// closed just now gives the place back as it is dropped.
+    fn give(self: &Arc<Self>, waiter: Waiter, now: Instant) {
+        let _ = waiter.place.send(self.pass(now));
+    }
+
+    /// How long after its appointment a held send is given up.
+    fn stale(&self) -> Duration {
+        self.options.horizon.mul_f64(STALE_AFTER)
     }
 
     /// The limit now.
@@ -330,16 +338,18 @@ impl Admission {
     }
 
     fn release(self: &Arc<Self>, started: Instant, now: Instant, completion: Option<Completion>) {
-        let holding = {
+        let next = {
             let mut state = self.lock();
             state.in_flight = state.in_flight.saturating_sub(1);
             if let Some(completion) = completion {
                 let in_flight = state.in_flight + 1;
                 state.completed(started, now, in_flight, completion);
             }
-            !state.held.is_empty()
+            state.next_held(now, self.stale())
         };
-        if holding {
+        if let Some(waiter) = next {
+            self.give(waiter, now);
+            // A grown limit may have room for more.
             self.dispatch();
         }
     }

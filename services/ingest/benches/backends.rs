@@ -40,6 +40,19 @@ use imdedup_ingest::{Dedup, RedisWindow, RedisWindowOptions};
 use imdedup_storage::metrics::DB_CASSANDRA;
 use imdedup_storage::{ScyllaOptions, ScyllaStore, scylla, scylla::RequestKind};
 
+/// Run `op` for `0..count`, `concurrency` at a time: operations per second.
+async fn per_second<F, Fut>(count: usize, concurrency: usize, op: F) -> f64
+where
+    F: FnMut(usize) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    let started = Instant::now();
+    stream::iter(0..count)
+        .for_each_concurrent(concurrency, op)
+        .await;
+    count as f64 / started.elapsed().as_secs_f64()
+}
+
 fn env_or(name: &str, default: usize) -> usize {
     std::env::var(name)
         .ok()
@@ -143,33 +156,27 @@ async fn main() {
     let warmup = env_or("BENCH_WARMUP", 5000);
     let raw = |prefix: String, count: usize| {
         let (session, insert) = (Arc::clone(&session), insert.clone());
-        async move {
-            let started = Instant::now();
-            stream::iter(0..count)
-                .for_each_concurrent(concurrency, move |i| {
-                    let (session, insert) = (Arc::clone(&session), insert.clone());
-                    let m = message(&prefix, i, 1000);
-                    async move {
-                        session
-                            .execute_unpaged(
-                                &insert,
-                                (
-                                    m.key.sender.as_str(),
-                                    m.key.client_msg_id.as_bytes(),
-                                    m.conversation.as_str(),
-                                    m.body.as_str(),
-                                    i as i64,
-                                    i as i64,
-                                    0_i64,
-                                ),
-                            )
-                            .await
-                            .unwrap();
-                    }
-                })
-                .await;
-            count as f64 / started.elapsed().as_secs_f64()
-        }
+        per_second(count, concurrency, move |i| {
+            let (session, insert) = (Arc::clone(&session), insert.clone());
+            let m = message(&prefix, i, 1000);
+            async move {
+                session
+                    .execute_unpaged(
+                        &insert,
+                        (
+                            m.key.sender.as_str(),
+                            m.key.client_msg_id.as_bytes(),
+                            m.conversation.as_str(),
+                            m.body.as_str(),
+                            i as i64,
+                            i as i64,
+                            0_i64,
+                        ),
+                    )
+                    .await
+                    .unwrap();
+            }
+        })
     };
 
     // 2. The ingest pipeline, new messages only.
@@ -191,27 +198,20 @@ async fn main() {
     ));
     let pipeline = |prefix: String, count: usize| {
         let dedup = Arc::clone(&dedup);
-        async move {
-            let started = Instant::now();
-            stream::iter(0..count)
-                .for_each_concurrent(concurrency, |i| {
-                    let dedup = Arc::clone(&dedup);
-                    let m = message(&prefix, i, 1000);
-                    async move {
-                        let ack = dedup.send(m).await.unwrap();
-                        assert_eq!(ack.outcome, Outcome::Stored);
-                    }
-                })
-                .await;
-            count as f64 / started.elapsed().as_secs_f64()
-        }
+        per_second(count, concurrency, move |i| {
+            let dedup = Arc::clone(&dedup);
+            let m = message(&prefix, i, 1000);
+            async move {
+                let ack = dedup.send(m).await.unwrap();
+                assert_eq!(ack.outcome, Outcome::Stored);
+            }
+        })
     };
 
     // Both warm, unmeasured; then rounds that alternate which goes first, so
     // a drift of the shared box's speed lands on both alike.
     let _ = raw(format!("warm{run}"), warmup).await;
     let _ = pipeline(format!("pwarm{run}"), warmup).await;
-    let rounds = env_or("BENCH_ROUNDS", 5).max(1);
     // 1b. A plain write of a history row, as the pipeline's pending write
     // and commit are, same concurrency.
     let mut write = session
@@ -226,35 +226,30 @@ async fn main() {
     write.set_consistency(options.consistency);
     let raw_write = |prefix: String, count: usize| {
         let (session, write) = (Arc::clone(&session), write.clone());
-        async move {
-            let started = Instant::now();
-            stream::iter(0..count)
-                .for_each_concurrent(concurrency, move |i| {
-                    let (session, write) = (Arc::clone(&session), write.clone());
-                    let m = message(&prefix, i, 1000);
-                    async move {
-                        session
-                            .execute_unpaged(
-                                &write,
-                                (
-                                    m.conversation.as_str(),
-                                    i as i64,
-                                    m.key.sender.as_str(),
-                                    m.key.client_msg_id.as_bytes(),
-                                    i as i64,
-                                    m.body.as_str(),
-                                    0_i64,
-                                ),
-                            )
-                            .await
-                            .unwrap();
-                    }
-                })
-                .await;
-            count as f64 / started.elapsed().as_secs_f64()
-        }
+        per_second(count, concurrency, move |i| {
+            let (session, write) = (Arc::clone(&session), write.clone());
+            let m = message(&prefix, i, 1000);
+            async move {
+                session
+                    .execute_unpaged(
+                        &write,
+                        (
+                            m.conversation.as_str(),
+                            i as i64,
+                            m.key.sender.as_str(),
+                            m.key.client_msg_id.as_bytes(),
+                            i as i64,
+                            m.body.as_str(),
+                            0_i64,
+                        ),
+                    )
+                    .await
+                    .unwrap();
+            }
+        })
     };
     let _ = raw_write(format!("wwarm{run}"), warmup).await;
+    let rounds = env_or("BENCH_ROUNDS", 5).max(1);
 
     let (mut ceilings, mut pipelines, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
     let (mut writes, mut mix_ratios) = (Vec::new(), Vec::new());
