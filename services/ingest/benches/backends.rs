@@ -25,6 +25,9 @@ use std::{
     time::{Duration, Instant},
 };
 
+use ::scylla::{
+    client::session::Session, serialize::row::SerializeRow, statement::prepared::PreparedStatement,
+};
 use async_trait::async_trait;
 use futures_util::{StreamExt, stream};
 use imdedup_domain::{
@@ -51,6 +54,25 @@ where
         .for_each_concurrent(concurrency, op)
         .await;
     count as f64 / started.elapsed().as_secs_f64()
+}
+
+/// Executions per second of one prepared statement, `count` times at
+/// `concurrency`, the i-th bound to `row` of the i-th message.
+async fn statement_per_second<V: SerializeRow>(
+    session: &Session,
+    statement: &PreparedStatement,
+    prefix: String,
+    count: usize,
+    concurrency: usize,
+    row: fn(&NewMessage, i64) -> V,
+) -> f64 {
+    per_second(count, concurrency, |i| {
+        let values = row(&message(&prefix, i, 1000), i as i64);
+        async move {
+            session.execute_unpaged(statement, values).await.unwrap();
+        }
+    })
+    .await
 }
 
 fn env_or(name: &str, default: usize) -> usize {
@@ -155,27 +177,16 @@ async fn main() {
     // Warm the database's JIT and caches first, unmeasured.
     let warmup = env_or("BENCH_WARMUP", 5000);
     let raw = |prefix: String, count: usize| {
-        let (session, insert) = (Arc::clone(&session), insert.clone());
-        per_second(count, concurrency, move |i| {
-            let (session, insert) = (Arc::clone(&session), insert.clone());
-            let m = message(&prefix, i, 1000);
-            async move {
-                session
-                    .execute_unpaged(
-                        &insert,
-                        (
-                            m.key.sender.as_str(),
-                            m.key.client_msg_id.as_bytes(),
-                            m.conversation.as_str(),
-                            m.body.as_str(),
-                            i as i64,
-                            i as i64,
-                            0_i64,
-                        ),
-                    )
-                    .await
-                    .unwrap();
-            }
+        statement_per_second(&session, &insert, prefix, count, concurrency, |m, i| {
+            (
+                m.key.sender.as_str().to_owned(),
+                m.key.client_msg_id.as_bytes().to_vec(),
+                m.conversation.as_str().to_owned(),
+                m.body.as_str().to_owned(),
+                i,
+                i,
+                0_i64,
+            )
         })
     };
 
@@ -225,27 +236,16 @@ async fn main() {
         .unwrap();
     write.set_consistency(options.consistency);
     let raw_write = |prefix: String, count: usize| {
-        let (session, write) = (Arc::clone(&session), write.clone());
-        per_second(count, concurrency, move |i| {
-            let (session, write) = (Arc::clone(&session), write.clone());
-            let m = message(&prefix, i, 1000);
-            async move {
-                session
-                    .execute_unpaged(
-                        &write,
-                        (
-                            m.conversation.as_str(),
-                            i as i64,
-                            m.key.sender.as_str(),
-                            m.key.client_msg_id.as_bytes(),
-                            i as i64,
-                            m.body.as_str(),
-                            0_i64,
-                        ),
-                    )
-                    .await
-                    .unwrap();
-            }
+        statement_per_second(&session, &write, prefix, count, concurrency, |m, i| {
+            (
+                m.conversation.as_str().to_owned(),
+                i,
+                m.key.sender.as_str().to_owned(),
+                m.key.client_msg_id.as_bytes().to_vec(),
+                i,
+                m.body.as_str().to_owned(),
+                0_i64,
+            )
         })
     };
     let _ = raw_write(format!("wwarm{run}"), warmup).await;
