@@ -508,8 +508,9 @@ impl State {
 
 /// What the gateway serves per second while it is full, measured over
 /// short windows: a window in which a send was refused measured the
-/// capacity (smoothed); one without refusals served all that came, so it
-/// only raises the estimate. Appointments are spaced by it. (Sends in
+/// capacity (smoothed), unless it answered almost nothing (a stall, which
+/// lowers the estimate slowly); one without refusals served all that came,
+/// so it only raises the estimate. Appointments are spaced by it. (Sends in
 /// flight divided by their latency is not it: under a CPU-bound surge the
 /// latency includes the time spent refusing, and appointments booked that
 /// slow left the gateway idle later with tens of thousands waiting.)
@@ -528,6 +529,13 @@ const PACE_WINDOW: Duration = Duration::from_millis(250);
 const PACE_WEIGHT: f64 = 0.3;
 /// The pace assumed before a window ended, and the slowest.
 const PACE_MIN: f64 = 10.0;
+/// A full window that answered less than this share of the pace is a
+/// stall (a database paused, a shard gone), not a measure of capacity: the
+/// pace then only decays by [`STALL_DECAY`] a window, halving in about
+/// 3.4 s, so the appointments of a short stall end soon after it instead of
+/// tens of seconds later.
+const STALL_SHARE: f64 = 0.1;
+const STALL_DECAY: f64 = 0.95;
 
 impl Pace {
     fn new(now: Instant) -> Self {
@@ -556,6 +564,7 @@ impl Pace {
         }
         let served = f64::from(self.answered) / elapsed.as_secs_f64();
         self.rate = Some(match self.rate {
+            Some(rate) if self.full && served < STALL_SHARE * rate => rate * STALL_DECAY,
             Some(rate) if self.full => rate + PACE_WEIGHT * (served - rate),
             Some(rate) => rate.max(served),
             None => served,
@@ -846,6 +855,36 @@ mod tests {
             pace.answered(now);
         }
         assert_eq!(pace.rate.unwrap(), settled);
+    }
+
+    #[test]
+    fn a_stall_is_not_taken_for_the_capacity() {
+        let start = Instant::now();
+        let mut pace = Pace::new(start);
+        let mut now = start;
+        // Serving 200 a second, not full.
+        for _ in 0..200 {
+            now += Duration::from_millis(5);
+            pace.answered(now);
+        }
+        now += PACE_WINDOW;
+        pace.answered(now);
+        let before = pace.rate.unwrap();
+        // The database stops for 4 s: every send refused, none answered.
+        // Appointments stay near the pace before it (phones refused in the
+        // stall come back soon after it), not one every 100 ms.
+        let stall = |pace: &mut Pace, now: &mut Instant, seconds: u64| {
+            for _ in 0..seconds * 100 {
+                *now += Duration::from_millis(10);
+                pace.refused(*now);
+            }
+        };
+        stall(&mut pace, &mut now, 4);
+        let spacing = pace.spacing().as_secs_f64();
+        assert!(spacing < 3.0 / before, "{spacing} s between appointments");
+        // A long outage spreads the phones out.
+        stall(&mut pace, &mut now, 30);
+        assert_eq!(pace.spacing(), Duration::from_secs_f64(1.0 / PACE_MIN));
     }
 
     #[test]
