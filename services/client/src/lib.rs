@@ -401,10 +401,11 @@ impl Client {
     fn hold_back(&self, id: &[u8]) -> Option<ErrorReply> {
         let mut pending = self.lock();
         let throttle = pending.throttle.as_mut()?;
-        if !throttle.hold_back(std::time::Instant::now(), rand::random()) {
+        let now = std::time::Instant::now();
+        if !throttle.hold_back(now, rand::random()) {
             return None;
         }
-        let wait = throttle.wait(rand::random_range(0.5..=1.5));
+        let wait = throttle.wait(now, rand::random_range(0.5..=1.5));
         pending.held_back += 1;
         Some(ErrorReply {
             id: Some(id.to_vec()),

@@ -25,10 +25,12 @@ use std::time::{Duration, Instant};
 /// seconds (the book's 2 minutes suit a server's steady stream of calls).
 const BUCKET: Duration = Duration::from_secs(2);
 
-/// A send held back is tried again after the wait the gateway last asked
-/// for (its appointments measure how far the backlog reaches), this much
-/// when it has asked for none, stretched by ±50% so that the sends held
-/// back together do not come back together.
+/// A send held back is tried again about when the gateway last asked a
+/// refused send to come back (its appointments measure how far the backlog
+/// reaches): what is left of that wait, not the whole of it again, since a
+/// hint given seconds ago has partly run. This much when it asked for none
+/// or its time has passed; stretched by ±50% so that the sends held back
+/// together do not come back together.
 const DEFAULT_WAIT: Duration = Duration::from_secs(1);
 const MIN_WAIT: Duration = Duration::from_millis(200);
 const MAX_WAIT: Duration = Duration::from_secs(30);
@@ -39,8 +41,8 @@ pub(crate) struct Throttle {
     bucket_started: Instant,
     current: Tally,
     previous: Tally,
-    /// The wait the gateway asked for in its last `overloaded` answer.
-    last_hint: Option<Duration>,
+    /// When the gateway's last `overloaded` answer asked to come back.
+    come_back_at: Option<Instant>,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -60,7 +62,7 @@ impl Throttle {
             bucket_started: now,
             current: Tally::default(),
             previous: Tally::default(),
-            last_hint: None,
+            come_back_at: None,
         }
     }
 
@@ -80,15 +82,17 @@ impl Throttle {
     pub(crate) fn refused(&mut self, now: Instant, hint: Option<Duration>) {
         self.rotate(now);
         self.current.refused += 1;
-        if hint.is_some() {
-            self.last_hint = hint;
+        if let Some(hint) = hint {
+            self.come_back_at = Some(now + hint);
         }
     }
 
     /// How long a send held back now waits before it is tried again
     /// (`stretch` is uniform in [0.5, 1.5]).
-    pub(crate) fn wait(&self, stretch: f64) -> Duration {
-        self.last_hint
+    pub(crate) fn wait(&self, now: Instant, stretch: f64) -> Duration {
+        self.come_back_at
+            .map(|at| at.saturating_duration_since(now))
+            .filter(|left| !left.is_zero())
             .unwrap_or(DEFAULT_WAIT)
             .mul_f64(stretch)
             .clamp(MIN_WAIT, MAX_WAIT)
@@ -182,17 +186,23 @@ mod tests {
     }
 
     #[test]
-    fn a_send_held_back_waits_about_as_long_as_the_gateway_last_asked() {
+    fn a_send_held_back_waits_about_until_the_gateway_last_asked() {
         let start = Instant::now();
         let mut throttle = Throttle::new(2.0, start);
-        assert_eq!(throttle.wait(1.0), DEFAULT_WAIT);
+        assert_eq!(throttle.wait(start, 1.0), DEFAULT_WAIT);
         throttle.refused(start, Some(Duration::from_secs(8)));
         throttle.refused(start, None);
-        assert_eq!(throttle.wait(0.5), Duration::from_secs(4));
-        assert_eq!(throttle.wait(1.5), Duration::from_secs(12));
+        assert_eq!(throttle.wait(start, 0.5), Duration::from_secs(4));
+        assert_eq!(throttle.wait(start, 1.5), Duration::from_secs(12));
+        // Six seconds later two are left of that wait, not eight again.
+        let later = start + Duration::from_secs(6);
+        assert_eq!(throttle.wait(later, 1.0), Duration::from_secs(2));
+        // Once its time has passed, the default.
+        let past = start + Duration::from_secs(9);
+        assert_eq!(throttle.wait(past, 1.0), DEFAULT_WAIT);
         throttle.refused(start, Some(Duration::from_secs(90)));
-        assert_eq!(throttle.wait(1.0), MAX_WAIT);
+        assert_eq!(throttle.wait(start, 1.0), MAX_WAIT);
         throttle.refused(start, Some(Duration::ZERO));
-        assert_eq!(throttle.wait(1.0), MIN_WAIT);
+        assert_eq!(throttle.wait(start, 1.0), DEFAULT_WAIT);
     }
 }
