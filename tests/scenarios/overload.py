@@ -189,11 +189,19 @@ class Faults:
 
 class Sampler:
     """Every half second, each ingest's adaptive limit, inserts in flight and
-    sends shed so far, from its /metrics: written to a TSV beside the
-    report, to see what the limit did during the faults."""
+    sends shed so far, and the gateway's admission limit, sends in flight,
+    sends refused for lack of room so far and open appointments, from their
+    /metrics: written to a TSV beside the report, to see what the limits did
+    during the faults."""
 
-    FIELDS = ("limit", "in_flight", "shed_db_limit", "shed_deadline")
-    NAMES = {"imdedup_ingest_db_concurrency_limit": "limit", "imdedup_ingest_db_in_flight": "in_flight"}
+    FIELDS = ("limit", "in_flight", "shed_db_limit", "shed_deadline", "refused", "appointments")
+    NAMES = {
+        "imdedup_ingest_db_concurrency_limit": "limit",
+        "imdedup_ingest_db_in_flight": "in_flight",
+        "imdedup_gateway_admission_limit": "limit",
+        "imdedup_gateway_sends_in_flight": "in_flight",
+        "imdedup_gateway_appointments": "appointments",
+    }
 
     def __init__(self, cluster: Cluster, out: Path, t0: float):
         self.cluster, self.out, self.t0 = cluster, out, t0
@@ -217,6 +225,8 @@ class Sampler:
                 for reason in ("db_limit", "deadline"):
                     if f'reason="{reason}"' in metric:
                         found[f"shed_{reason}"] = value
+            elif name == "imdedup_gateway_limited_total" and 'reason="in_flight"' in metric:
+                found["refused"] = value
         return found
 
     def run(self) -> None:
@@ -224,7 +234,7 @@ class Sampler:
             f.write("t\tshard\t" + "\t".join(self.FIELDS) + "\n")
             while not self.done.wait(0.5):
                 t = time.monotonic() - self.t0 - DRIVER_LEAD
-                for name in self.cluster.names:
+                for name in [*self.cluster.names, "gateway"]:
                     got = self.sample(self.cluster.port(name)[1])
                     f.write(f"{t:.1f}\t{name}\t" + "\t".join(got.get(v, "") for v in self.FIELDS) + "\n")
                 f.flush()

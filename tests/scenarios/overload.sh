@@ -20,8 +20,10 @@
 # the database stores nothing), the lowest goodput (acknowledged/s over
 # min(offered, capacity)) of any second after the database answers again,
 # seconds until p99 is back to its pre-fault level, and the pre-fault p99.
-# Each shard's adaptive limit, inserts in flight and sends shed, sampled
-# every half second, go to <scenario>.metrics.tsv in the logs directory.
+# Each shard's adaptive limit, inserts in flight and sends shed, and the
+# gateway's admission limit, sends in flight, refusals and appointments,
+# sampled every half second, go to <scenario>.metrics.tsv in the logs
+# directory.
 # Exits 1 unless every scenario meets the goals (printed last). About 4
 # minutes; --short runs the pause4+redis sequence at half the capacity only
 # (the suite's version, ~1 minute; it fails on losses, repeats and give-ups).
