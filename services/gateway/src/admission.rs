@@ -51,6 +51,19 @@
 //! that are in flight, nothing is held). A held send still there long
 //! after its appointment ([`STALE_AFTER`] the horizon) is given up.
 //!
+//! **New sends first once the surge is over.** While new sends arrive
+//! slower than the gateway answers ([`DRAIN_SHARE`], smoothed over quarter
+//! seconds), the backlog is draining: a new send then goes in up to twice
+//! the limit, and held sends take places only below the limit. New
+//! messages flow at their usual latency while the backlog drains with what
+//! they leave; in order of arrival they would wait behind all of it.
+//! During a surge (more arriving than answered) the queue stays in order
+//! of arrival, so no held send is starved by the surge's new sends. A send
+//! behind a held send of its conversation still waits for it, so while
+//! the backlog drains that conversation's held sends go first
+//! ([`Admission::hold_urgent`]): ahead of the rest of the backlog, up to
+//! twice the limit.
+//!
 //! Appointments are by (sender, message ID), hashed: another connection of
 //! the same phone with the same message keeps the same turn, and a hash
 //! collision only gives a stranger's message a turn early.
@@ -121,6 +134,9 @@ const STALE_AFTER: f64 = 1.5;
 /// Below this share of the limit in flight, held sends go before their
 /// appointment.
 const PULL_FORWARD: f64 = 0.875;
+/// New sends arriving at less than this share of the sends answered: the
+/// surge is over, new sends go before the backlog.
+const DRAIN_SHARE: f64 = 0.6;
 
 /// Why a send was not taken in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -188,8 +204,8 @@ impl Ticket {
 
     /// Wait for the place; `None` if the send was held too long and given
     /// up.
-    pub async fn place(self) -> Option<Pass> {
-        self.place.await.ok()
+    pub async fn place(&mut self) -> Option<Pass> {
+        (&mut self.place).await.ok()
     }
 }
 
@@ -270,28 +286,47 @@ impl Admission {
     /// an appointment, or shed past the horizon.
     pub fn appoint(&self, sender: &str, id: &[u8]) -> Refusal {
         let key = self.key(sender, id);
+        let now = Instant::now();
         let mut state = self.lock();
         if let Some(&slot) = state.book.get(&key) {
-            let now = Instant::now();
             return Refusal::Appointment {
                 retry_after: slot.saturating_duration_since(now).max(MIN_WAIT),
             };
         }
-        state.book(key, Instant::now(), &self.options, &mut rand::rng())
+        state.flow.arrived(now);
+        state.book(key, now, &self.options, &mut rand::rng())
     }
 
     /// Hold the send of (`sender`, `id`), whose appointment is `wait`
     /// from now, until a place is given to it (see the module's comment).
     pub fn hold(self: &Arc<Self>, sender: &str, id: &[u8], wait: Duration) -> Ticket {
+        self.enqueue(sender, id, wait, false)
+    }
+
+    /// Hold the send of (`sender`, `id`) ahead of the backlog, up to twice
+    /// the limit: while the backlog drains, for the held sends of a
+    /// conversation that a new send waits behind (it gives up any ticket
+    /// it held: that waiter is dropped from the queue as it comes up).
+    pub fn hold_urgent(self: &Arc<Self>, sender: &str, id: &[u8]) -> Ticket {
+        self.enqueue(sender, id, Duration::ZERO, true)
+    }
+
+    fn enqueue(self: &Arc<Self>, sender: &str, id: &[u8], wait: Duration, urgent: bool) -> Ticket {
         let (tx, place) = oneshot::channel();
         let waiter = Waiter {
             key: self.key(sender, id),
             due: Instant::now() + wait,
             place: tx,
         };
-        self.lock().hold(waiter);
+        self.lock().hold(waiter, urgent);
         self.dispatch();
         Ticket { place }
+    }
+
+    /// Whether the backlog is draining: a backlog is held and new sends
+    /// arrive slower than the gateway answers.
+    pub fn draining(&self) -> bool {
+        self.lock().draining()
     }
 
     /// Give the held sends the places that are theirs, oldest first.
@@ -362,12 +397,17 @@ struct State {
     /// What the gateway serves per second when it is full: the pace of
     /// appointments.
     pace: Pace,
+    /// New sends arriving against sends answered.
+    flow: Flow,
     /// The last appointment given out.
     last_slot: Instant,
     book: HashMap<u64, Instant>,
     last_sweep: Instant,
     /// Held sends, in the order of their appointments.
     held: VecDeque<Waiter>,
+    /// Held sends that go before `held`: of conversations a new send waits
+    /// in while the backlog drains.
+    urgent: VecDeque<Waiter>,
 }
 
 impl State {
@@ -376,10 +416,12 @@ impl State {
             aimd: Aimd::new(options),
             in_flight: 0,
             pace: Pace::new(now),
+            flow: Flow::new(now),
             last_slot: now,
             book: HashMap::new(),
             last_sweep: now,
             held: VecDeque::new(),
+            urgent: VecDeque::new(),
         }
     }
 
@@ -392,10 +434,15 @@ impl State {
     ) -> Result<(), Refusal> {
         let limit = self.aimd.limit();
         let appointment = self.book.get(&key).copied();
+        if appointment.is_none() {
+            self.flow.arrived(now);
+        }
         let admitted = match appointment {
             // Its turn: in, even above the limit (the appointments are
             // paced at what the gateway serves), up to twice the limit.
             Some(slot) if slot <= now + EARLY => self.in_flight < limit.saturating_mul(2),
+            // The surge is over: a new send goes before the backlog.
+            None if self.draining() => self.in_flight < limit.saturating_mul(2),
             // A free place is taken by whoever comes, new or early: a place
             // kept for a later appointment would be capacity lost for good.
             Some(_) | None => self.in_flight < limit,
@@ -449,11 +496,16 @@ impl State {
         }
     }
 
-    fn hold(&mut self, waiter: Waiter) {
-        // Appointments are handed out in order, so the queue stays in
-        // their order (a send held behind its conversation's held send may
-        // repeat an earlier appointment; it still goes after that send).
-        self.held.push_back(waiter);
+    fn hold(&mut self, waiter: Waiter, urgent: bool) {
+        if urgent {
+            self.urgent.push_back(waiter);
+        } else {
+            // Appointments are handed out in order, so the queue stays in
+            // their order (a send held behind its conversation's held send
+            // may repeat an earlier appointment; it still goes after that
+            // send).
+            self.held.push_back(waiter);
+        }
     }
 
     /// The oldest held send, if a place is its (taken for it): its
@@ -462,14 +514,36 @@ impl State {
     /// place. Held sends whose connection closed are dropped on the way,
     /// and so are those held longer than `stale` (their phones are told).
     fn next_held(&mut self, now: Instant, stale: Duration) -> Option<Waiter> {
+        let limit = self.aimd.limit();
+        // Draining, the places above the limit are the new sends'.
+        let room = if self.draining() {
+            limit
+        } else {
+            limit.saturating_mul(2)
+        };
+        while let Some(front) = self.urgent.front() {
+            if front.place.is_closed() || now.saturating_duration_since(front.due) > stale {
+                let gone = self.urgent.pop_front()?;
+                self.book.remove(&gone.key);
+                continue;
+            }
+            // Up to twice the limit, as a phone back for its appointment:
+            // new sends wait for these in their conversation's turn.
+            if self.in_flight >= limit.saturating_mul(2) {
+                return None;
+            }
+            let waiter = self.urgent.pop_front()?;
+            self.book.remove(&waiter.key);
+            self.in_flight += 1;
+            return Some(waiter);
+        }
         while let Some(front) = self.held.front() {
             if front.place.is_closed() || now.saturating_duration_since(front.due) > stale {
                 let gone = self.held.pop_front()?;
                 self.book.remove(&gone.key);
                 continue;
             }
-            let limit = self.aimd.limit();
-            let due = front.due <= now + EARLY && self.in_flight < limit.saturating_mul(2);
+            let due = front.due <= now + EARLY && self.in_flight < room;
             let idle = (self.in_flight as f64) < limit as f64 * PULL_FORWARD;
             if !(due || idle) {
                 return None;
@@ -491,8 +565,15 @@ impl State {
     ) {
         let rtt = now.saturating_duration_since(started);
         self.pace.answered(now);
+        self.flow.answered(now);
         let congested = completion == Completion::Congested || rtt > self.aimd.target;
         self.aimd.update(started, now, in_flight, congested);
+    }
+
+    /// Whether a backlog is held while new sends arrive slower than the
+    /// gateway answers: the surge is over.
+    fn draining(&self) -> bool {
+        !(self.held.is_empty() && self.urgent.is_empty()) && self.flow.draining()
     }
 
     /// Forget appointments nobody came for, now and then.
@@ -581,6 +662,60 @@ impl Pace {
     /// The time between two appointments.
     fn spacing(&self) -> Duration {
         Duration::from_secs_f64(1.0 / self.rate.unwrap_or(PACE_MIN).max(PACE_MIN))
+    }
+}
+
+/// New sends arriving and sends answered per second, smoothed over
+/// [`PACE_WINDOW`]s.
+#[derive(Debug)]
+struct Flow {
+    window_start: Instant,
+    arrived: u32,
+    answered: u32,
+    arrivals: f64,
+    answers: f64,
+}
+
+/// Weight of a window's counts in the smoothed rates.
+const FLOW_WEIGHT: f64 = 0.5;
+
+impl Flow {
+    fn new(now: Instant) -> Self {
+        Self {
+            window_start: now,
+            arrived: 0,
+            answered: 0,
+            arrivals: 0.0,
+            answers: 0.0,
+        }
+    }
+
+    fn arrived(&mut self, now: Instant) {
+        self.arrived = self.arrived.saturating_add(1);
+        self.roll(now);
+    }
+
+    fn answered(&mut self, now: Instant) {
+        self.answered = self.answered.saturating_add(1);
+        self.roll(now);
+    }
+
+    fn roll(&mut self, now: Instant) {
+        let elapsed = now.saturating_duration_since(self.window_start);
+        if elapsed < PACE_WINDOW {
+            return;
+        }
+        let seconds = elapsed.as_secs_f64();
+        let arrivals = f64::from(std::mem::take(&mut self.arrived)) / seconds;
+        let answers = f64::from(std::mem::take(&mut self.answered)) / seconds;
+        self.arrivals += FLOW_WEIGHT * (arrivals - self.arrivals);
+        self.answers += FLOW_WEIGHT * (answers - self.answers);
+        self.window_start = now;
+    }
+
+    /// Fewer new sends arrive than [`DRAIN_SHARE`] of those answered.
+    fn draining(&self) -> bool {
+        self.arrivals < DRAIN_SHARE * self.answers
     }
 }
 
@@ -751,17 +886,134 @@ mod tests {
         assert_eq!(admission.booked(), 0, "every appointment used or dropped");
     }
 
+    /// Each of `windows` quarter seconds, `answers` sends answered and
+    /// `arrivals` new sends offered, the gateway kept at its limit of ten.
+    fn traffic(
+        door: &mut Door,
+        now: &mut Instant,
+        key: &mut u64,
+        windows: u32,
+        arrivals: u32,
+        answers: u32,
+    ) {
+        for _ in 0..windows {
+            *now += PACE_WINDOW;
+            for _ in 0..answers {
+                door.state.in_flight += 1;
+                door.done(*now - Duration::from_millis(10), *now);
+            }
+            for _ in 0..arrivals {
+                let _ = door.admit(*key, *now);
+                *key += 1;
+                door.state.in_flight = 10;
+            }
+        }
+    }
+
+    /// A place, for handing to a waiter in a test of the state alone.
+    fn pass(now: Instant) -> Pass {
+        Pass {
+            admission: Admission::new(options(10)),
+            started: now,
+            completion: None,
+        }
+    }
+
+    fn held(state: &mut State, key: u64, due: Instant) -> oneshot::Receiver<Pass> {
+        let (place, rx) = oneshot::channel();
+        state.hold(Waiter { key, due, place }, false);
+        rx
+    }
+
+    #[test]
+    fn once_the_surge_is_over_new_sends_go_before_the_backlog() {
+        let stale = Duration::from_secs(30);
+        let mut now = Instant::now();
+        let mut door = Door::new(options(10), now);
+        let mut key = 0;
+        traffic(&mut door, &mut now, &mut key, 1, 10, 0);
+        let _backlog = [
+            held(&mut door.state, 1_000, now),
+            held(&mut door.state, 1_001, now),
+            held(&mut door.state, 1_002, now),
+        ];
+        // A surge: three new sends arrive per send answered. They queue
+        // behind the backlog, which goes in at its appointments, up to
+        // twice the limit.
+        traffic(&mut door, &mut now, &mut key, 4, 30, 10);
+        assert!(door.admit(key, now).is_err(), "a new send waits its turn");
+        key += 1;
+        assert!(
+            door.state.next_held(now, stale).is_some(),
+            "the backlog's turn"
+        );
+        door.state.in_flight = 10;
+        // The surge is over: one new send arrives per two answered. A new
+        // send goes in at once, above the limit; the backlog takes places
+        // only below it.
+        traffic(&mut door, &mut now, &mut key, 6, 5, 10);
+        assert!(door.admit(key, now).is_ok(), "new sends first");
+        key += 1;
+        assert_eq!(door.state.in_flight, 11);
+        assert!(
+            door.state.next_held(now, stale).is_none(),
+            "no place above the limit"
+        );
+        // A conversation a new send waits in goes before the backlog, even
+        // above the limit (the new send waits for it).
+        let (place, mut urgent) = oneshot::channel();
+        door.state.hold(
+            Waiter {
+                key: 2_000,
+                due: now,
+                place,
+            },
+            true,
+        );
+        door.state.in_flight = 12;
+        let first = door
+            .state
+            .next_held(now, stale)
+            .expect("a place above the limit");
+        assert_eq!(first.key, 2_000, "the urgent one");
+        assert!(first.place.send(pass(now)).is_ok());
+        assert!(urgent.try_recv().is_ok());
+        assert!(
+            door.state.next_held(now, stale).is_none(),
+            "not the backlog"
+        );
+        door.state.in_flight = 9;
+        assert!(
+            door.state.next_held(now, stale).is_some(),
+            "then the backlog"
+        );
+        door.state.in_flight = 8;
+        assert!(
+            door.state.next_held(now, stale).is_some(),
+            "the last of the backlog"
+        );
+        // With no backlog left, the limit holds for new sends again.
+        door.state.in_flight = 10;
+        assert!(
+            door.admit(key, now).is_err(),
+            "no backlog, no room above the limit"
+        );
+    }
+
     #[test]
     fn a_held_send_long_past_its_appointment_is_given_up() {
         let now = Instant::now();
         let mut state = State::new(options(1), now);
         state.in_flight = 2;
         let (tx, mut rx) = oneshot::channel();
-        state.hold(Waiter {
-            key: 7,
-            due: now,
-            place: tx,
-        });
+        state.hold(
+            Waiter {
+                key: 7,
+                due: now,
+                place: tx,
+            },
+            false,
+        );
         // Twice the limit in flight: not even at its appointment.
         assert!(state.next_held(now, Duration::from_secs(30)).is_none());
         let later = now + Duration::from_secs(31);

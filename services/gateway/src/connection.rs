@@ -15,7 +15,7 @@ use imdedup_domain::{
 };
 use imdedup_proto::convert;
 use imdedup_runtime::metrics::GaugeGuard;
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{Notify, Semaphore, mpsc, oneshot};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 use crate::{
@@ -211,6 +211,10 @@ impl Connection {
     fn admit(&self, inbound: Inbound) -> Result<Work, (ReplyTo, Error)> {
         match inbound {
             Inbound::Send(cmd) => {
+                if cmd.queue {
+                    self.held
+                        .promote_if_draining(&cmd.conversation, &self.gateway);
+                }
                 let behind_held = cmd.queue && self.held.waiting(&cmd.conversation);
                 match self
                     .gateway
@@ -241,7 +245,7 @@ impl Connection {
     /// its budget for held sends and the user's rate.
     async fn hold(&mut self, reply: Reply, cmd: SendCmd, hold: Held) {
         let turn = self.order.next(&cmd.conversation);
-        self.held.hold(&cmd.conversation, hold.wait);
+        let promoted = self.held.hold(&cmd.conversation, hold.wait);
         let queued = Outbound::Queued {
             id: cmd.id.clone(),
             id_b64: cmd.id_b64,
@@ -253,8 +257,9 @@ impl Connection {
             .await;
         let sender = self.session.sender.clone();
         let closing = self.held.closing.clone();
-        self.tasks
-            .spawn(serve_held(reply, sender, cmd, hold, turn, closing));
+        self.tasks.spawn(serve_held(
+            reply, sender, cmd, hold, turn, closing, promoted,
+        ));
     }
 
     /// Every frame read so far is answered before the connection closes;
@@ -351,8 +356,9 @@ impl Reply {
 /// The sends this connection holds for their appointments.
 #[derive(Default)]
 struct HeldSends {
-    /// Per conversation, the appointment of its latest held send.
-    until: HashMap<String, tokio::time::Instant>,
+    /// Per conversation with held sends: the appointment of its latest, and
+    /// the signal that moves them ahead of the backlog.
+    until: HashMap<String, HeldIn>,
     /// Size of `until` at which the past appointments are forgotten next.
     prune_at: usize,
     /// Cancelled when the connection ends: held sends not started yet are
@@ -360,18 +366,52 @@ struct HeldSends {
     closing: CancellationToken,
 }
 
+/// A conversation's held sends, on one connection.
+struct HeldIn {
+    /// The appointment of its latest held send.
+    until: tokio::time::Instant,
+    /// Each of its held sends still waiting for a place listens: notified,
+    /// they move ahead of the backlog.
+    promote: Arc<Notify>,
+}
+
 impl HeldSends {
     /// Whether a send of `conversation` is held and not due yet.
     fn waiting(&self, conversation: &str) -> bool {
         self.until
             .get(conversation)
-            .is_some_and(|&until| until > tokio::time::Instant::now())
+            .is_some_and(|held| held.until > tokio::time::Instant::now())
     }
 
-    fn hold(&mut self, conversation: &str, wait: Duration) {
+    /// Hold a send of `conversation` with its appointment `wait` from now;
+    /// the signal it listens to for promotion.
+    fn hold(&mut self, conversation: &str, wait: Duration) -> Arc<Notify> {
         let now = tokio::time::Instant::now();
-        prune(&mut self.until, &mut self.prune_at, |_, until| *until > now);
-        self.until.insert(conversation.to_owned(), now + wait);
+        // Kept while a send of it may still wait for a place.
+        prune(&mut self.until, &mut self.prune_at, |_, held| {
+            held.until > now || Arc::strong_count(&held.promote) > 1
+        });
+        let held = self
+            .until
+            .entry(conversation.to_owned())
+            .or_insert_with(|| HeldIn {
+                until: now,
+                promote: Arc::default(),
+            });
+        held.until = now + wait;
+        Arc::clone(&held.promote)
+    }
+
+    /// A new send of `conversation` came: while the backlog drains, its
+    /// held sends go ahead of the backlog, so that this one does not wait
+    /// behind all of it.
+    fn promote_if_draining(&self, conversation: &str, gateway: &Gateway) {
+        if let Some(held) = self.until.get(conversation)
+            && Arc::strong_count(&held.promote) > 1
+            && gateway.draining()
+        {
+            held.promote.notify_waiters();
+        }
     }
 }
 
@@ -385,13 +425,27 @@ async fn serve_held(
     hold: Held,
     turn: Turn,
     closing: CancellationToken,
+    promote: Arc<Notify>,
 ) {
-    let Held { ticket, leader, .. } = hold;
-    let placed = tokio::select! {
-        () = closing.cancelled() => Err(Error::unavailable(
-            "the connection closed before the queued send's turn; not stored: resend with the same id",
-        )),
-        pass = ticket.place() => pass.ok_or_else(|| reply.gateway.held_too_long()),
+    let Held {
+        mut ticket,
+        mut urgent,
+        leader,
+        ..
+    } = hold;
+    let placed = loop {
+        tokio::select! {
+            () = closing.cancelled() => break Err(Error::unavailable(
+                "the connection closed before the queued send's turn; not stored: resend with the same id",
+            )),
+            pass = ticket.place() => break pass.ok_or_else(|| reply.gateway.held_too_long()),
+            // Its conversation has a new send while the backlog drains:
+            // ahead of the backlog (the old ticket, dropped, leaves it).
+            () = promote.notified(), if !urgent => {
+                ticket = reply.gateway.hold_urgent(&sender, &cmd.id);
+                urgent = true;
+            }
+        }
     };
     // Tens of thousands wait here in a surge, each a task: the send's own
     // state (2 KB of gRPC call) is allocated when its place comes, not for
@@ -814,6 +868,7 @@ mod tests {
                 .admission
                 .hold("ana", &cmd.id, Duration::from_secs(1)),
             wait: Duration::from_secs(1),
+            urgent: false,
             leader: None,
             _budget: Arc::clone(&gateway.held_bytes)
                 .try_acquire_many_owned(1)
@@ -821,7 +876,15 @@ mod tests {
         };
         let turn = SendOrder::default().next(&cmd.conversation);
         let sender = Sender::parse("ana").expect("a sender");
-        let waiting = serve_held(reply, sender, cmd, held, turn, CancellationToken::new());
+        let waiting = serve_held(
+            reply,
+            sender,
+            cmd,
+            held,
+            turn,
+            CancellationToken::new(),
+            Arc::default(),
+        );
         // With the send's state inline the task was 2,560 bytes in a
         // release build (2,824 in a debug one); now 632.
         let size = std::mem::size_of_val(&waiting);

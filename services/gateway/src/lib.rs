@@ -141,6 +141,8 @@ pub(crate) struct Held {
     pub ticket: Ticket,
     /// Until its appointment.
     pub wait: Duration,
+    /// Held ahead of the backlog ([`Admission::hold_urgent`]).
+    pub urgent: bool,
     /// Its answer goes to the copies that join it.
     pub leader: Option<Leader>,
     _budget: OwnedSemaphorePermit,
@@ -229,7 +231,11 @@ impl Gateway {
         let pass = match admitted {
             Ok(pass) => pass,
             Err(Refusal::Appointment { retry_after }) if cmd.queue => {
-                return self.hold(sender, cmd, key, retry_after);
+                // Behind a held send of its conversation while the backlog
+                // drains: that conversation goes first (the connection
+                // promotes its held sends), and this send with it.
+                let urgent = behind_held && self.admission.draining();
+                return self.hold(sender, cmd, key, retry_after, urgent);
             }
             Err(refusal) => return Err(self.refused(refusal)),
         };
@@ -260,6 +266,7 @@ impl Gateway {
         cmd: &SendCmd,
         key: resends::SendKey,
         wait: Duration,
+        urgent: bool,
     ) -> Result<AdmittedSend, Error> {
         self.check_send_rate(sender)?;
         let bytes = held_bytes(cmd);
@@ -274,7 +281,11 @@ impl Gateway {
                 return Ok(AdmittedSend::Join(follower));
             }
         };
-        let mut ticket = self.admission.hold(sender.as_str(), &cmd.id, wait);
+        let mut ticket = if urgent {
+            self.admission.hold_urgent(sender.as_str(), &cmd.id)
+        } else {
+            self.admission.hold(sender.as_str(), &cmd.id, wait)
+        };
         if let Some(pass) = ticket.ready() {
             // A place was free for it (the gateway is far from its limit):
             // no need to hold it.
@@ -284,9 +295,20 @@ impl Gateway {
         Ok(AdmittedSend::Held(Held {
             ticket,
             wait,
+            urgent,
             leader,
             _budget: budget,
         }))
+    }
+
+    /// Whether the backlog of held sends is draining (see [`admission`]).
+    pub(crate) fn draining(&self) -> bool {
+        self.admission.draining()
+    }
+
+    /// A held send's new place in the queue, ahead of the backlog.
+    pub(crate) fn hold_urgent(&self, sender: &Sender, id: &[u8]) -> Ticket {
+        self.admission.hold_urgent(sender.as_str(), id)
     }
 
     /// The answer to a held send given up before a place came for it.
