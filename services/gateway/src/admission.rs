@@ -521,39 +521,23 @@ impl State {
         } else {
             limit.saturating_mul(2)
         };
-        while let Some(front) = self.urgent.front() {
-            if front.place.is_closed() || now.saturating_duration_since(front.due) > stale {
-                let gone = self.urgent.pop_front()?;
-                self.book.remove(&gone.key);
-                continue;
-            }
+        let (queue, goes) = if live_front(&mut self.urgent, &mut self.book, now, stale).is_some() {
             // Up to twice the limit, as a phone back for its appointment:
             // new sends wait for these in their conversation's turn.
-            if self.in_flight >= limit.saturating_mul(2) {
-                return None;
-            }
-            let waiter = self.urgent.pop_front()?;
-            self.book.remove(&waiter.key);
-            self.in_flight += 1;
-            return Some(waiter);
-        }
-        while let Some(front) = self.held.front() {
-            if front.place.is_closed() || now.saturating_duration_since(front.due) > stale {
-                let gone = self.held.pop_front()?;
-                self.book.remove(&gone.key);
-                continue;
-            }
+            (&mut self.urgent, self.in_flight < limit.saturating_mul(2))
+        } else {
+            let front = live_front(&mut self.held, &mut self.book, now, stale)?;
             let due = front.due <= now + EARLY && self.in_flight < room;
             let idle = (self.in_flight as f64) < limit as f64 * PULL_FORWARD;
-            if !(due || idle) {
-                return None;
-            }
-            let waiter = self.held.pop_front()?;
-            self.book.remove(&waiter.key);
-            self.in_flight += 1;
-            return Some(waiter);
+            (&mut self.held, due || idle)
+        };
+        if !goes {
+            return None;
         }
-        None
+        let waiter = queue.pop_front()?;
+        self.book.remove(&waiter.key);
+        self.in_flight += 1;
+        Some(waiter)
     }
 
     fn completed(
@@ -585,6 +569,26 @@ impl State {
         self.book
             .retain(|_, slot| now.saturating_duration_since(*slot) < FORGET_AFTER);
     }
+}
+
+/// The first waiter of `queue` still worth a place: those before it whose
+/// connection closed, or held longer than `stale` after their appointment,
+/// are dropped (their phones are told) and their appointments forgotten.
+fn live_front<'a>(
+    queue: &'a mut VecDeque<Waiter>,
+    book: &mut HashMap<u64, Instant>,
+    now: Instant,
+    stale: Duration,
+) -> Option<&'a Waiter> {
+    while let Some(front) = queue.front() {
+        if !front.place.is_closed() && now.saturating_duration_since(front.due) <= stale {
+            break;
+        }
+        if let Some(gone) = queue.pop_front() {
+            book.remove(&gone.key);
+        }
+    }
+    queue.front()
 }
 
 /// What the gateway serves per second while it is full, measured over
@@ -1070,19 +1074,24 @@ mod tests {
         );
     }
 
+    /// `count` sends answered `every` apart, not full, then the window
+    /// ends: the pace measured.
+    fn serve(pace: &mut Pace, now: &mut Instant, every: Duration, count: u32) -> f64 {
+        for _ in 0..count {
+            *now += every;
+            pace.answered(*now);
+        }
+        *now += PACE_WINDOW;
+        pace.answered(*now);
+        pace.rate.expect("a window ended")
+    }
+
     #[test]
     fn appointments_are_paced_at_what_the_gateway_serves_while_full() {
-        let start = Instant::now();
-        let mut pace = Pace::new(start);
-        let mut now = start;
+        let mut now = Instant::now();
+        let mut pace = Pace::new(now);
         // Not full, serving 4,000 a second: at least that much.
-        for _ in 0..1000 {
-            now += Duration::from_micros(250);
-            pace.answered(now);
-        }
-        now += PACE_WINDOW;
-        pace.answered(now);
-        let open = pace.rate.unwrap();
+        let open = serve(&mut pace, &mut now, Duration::from_micros(250), 1000);
         assert!((3_900.0..=4_100.0).contains(&open), "{open}");
         // Full (refusing) and serving 2,000 a second: the pace comes down to
         // it within a few windows.
@@ -1111,17 +1120,10 @@ mod tests {
 
     #[test]
     fn a_stall_is_not_taken_for_the_capacity() {
-        let start = Instant::now();
-        let mut pace = Pace::new(start);
-        let mut now = start;
+        let mut now = Instant::now();
+        let mut pace = Pace::new(now);
         // Serving 200 a second, not full.
-        for _ in 0..200 {
-            now += Duration::from_millis(5);
-            pace.answered(now);
-        }
-        now += PACE_WINDOW;
-        pace.answered(now);
-        let before = pace.rate.unwrap();
+        let before = serve(&mut pace, &mut now, Duration::from_millis(5), 200);
         // The database stops for 4 s: every send refused, none answered.
         // Appointments stay near the pace before it (phones refused in the
         // stall come back soon after it), not one every 100 ms.
