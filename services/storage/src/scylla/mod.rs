@@ -23,7 +23,8 @@
 //! Files: [`options`] (settings), [`session`] (connecting), [`schema`] (the
 //! tables), [`rows`] (reading replies), [`leases`] (seq and server-id
 //! blocks), [`members`] (writer membership), [`publish`] (pending rows and
-//! what readers see); the store and its insert are here.
+//! what readers see), [`stalls`] (routing around a replica that stopped
+//! answering); the store and its insert are here.
 
 #[cfg(feature = "testing")]
 mod faults;
@@ -35,6 +36,7 @@ mod requests;
 mod rows;
 mod schema;
 mod session;
+mod stalls;
 
 use std::{
     sync::Arc,

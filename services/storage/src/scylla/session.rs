@@ -17,7 +17,11 @@ use scylla::{
     statement::SerialConsistency,
 };
 
-use super::{ScyllaOptions, rows::db_error};
+use super::{
+    ScyllaOptions,
+    rows::db_error,
+    stalls::{AvoidStalled, STALL_AFTER},
+};
 
 /// Connect to the cluster.
 pub async fn connect(options: &ScyllaOptions) -> Result<Session, Error> {
@@ -52,14 +56,20 @@ pub async fn connect(options: &ScyllaOptions) -> Result<Session, Error> {
             retry_interval: options.request_timeout / 2,
         },
     )));
+    // Speculative execution rescues a request from a node that stopped
+    // answering only after half its time; `AvoidStalled` sends the requests
+    // after it to the other replicas first, until the node answers again.
+    let mut policy = DefaultPolicy::builder().token_aware(true);
     if let Some(dc) = &options.local_dc {
-        let policy = DefaultPolicy::builder()
+        policy = policy
             .prefer_datacenter(dc.clone())
-            .permit_dc_failover(false)
-            .token_aware(true)
-            .build();
-        profile = profile.load_balancing_policy(policy);
+            .permit_dc_failover(false);
     }
+    profile = profile.load_balancing_policy(Arc::new(AvoidStalled::new(
+        policy.build(),
+        options.request_timeout.mul_f64(STALL_AFTER),
+        options.request_timeout / 2,
+    )));
     builder = builder.default_execution_profile_handle(profile.build().into_handle());
     let session = builder.build().await.map_err(|e| db_error("connect", e))?;
     let datacenters: BTreeSet<String> = session
