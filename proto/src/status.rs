@@ -68,7 +68,17 @@ pub fn to_status(error: Error) -> Status {
 
 /// The error a gRPC status stands for.
 pub fn from_status(status: Status) -> Error {
-    let error = Error::new(kind(status.code()), status.message().to_owned());
+    let kind = match kind(status.code()) {
+        // Made on this side from the connection's failure (an HTTP/2
+        // error when the peer went away mid-call), so it carries its
+        // cause; the peer's own `INTERNAL` answers never do. A call cut
+        // midway may have done its work.
+        ErrorKind::Internal if std::error::Error::source(&status).is_some() => {
+            ErrorKind::MaybeStored
+        }
+        kind => kind,
+    };
+    let error = Error::new(kind, status.message().to_owned());
     let number =
         |key: &str| -> Option<u64> { status.metadata().get(key)?.to_str().ok()?.parse().ok() };
     let original = (error.kind() == ErrorKind::IdReused)
@@ -96,6 +106,20 @@ mod tests {
         assert_eq!(kind(Code::Cancelled), ErrorKind::MaybeStored);
         assert_eq!(kind(Code::Unavailable), ErrorKind::Unavailable);
         assert!(ErrorKind::MaybeStored.retryable());
+    }
+
+    #[test]
+    fn a_call_cut_by_its_connection_may_have_stored() {
+        let mut cut = Status::internal("h2 protocol error: http2 error");
+        cut.set_source(std::sync::Arc::new(std::io::Error::other(
+            "connection reset",
+        )));
+        assert_eq!(from_status(cut).kind(), ErrorKind::MaybeStored);
+        // The peer's own answer stays what it said.
+        assert_eq!(
+            from_status(Status::internal("bug")).kind(),
+            ErrorKind::Internal
+        );
     }
 
     #[test]
