@@ -11,6 +11,8 @@
 #   services.sh status
 #   services.sh env
 #   services.sh cql 'STATEMENT' ['STATEMENT' ...]
+#   services.sh flush-cluster   (every node of the cluster writes its schema and
+#                  memtables to disk: nodetool flush over local JMX)
 #
 # Human-readable progress goes to stderr; `up` and `env` print only `export`
 # lines on stdout, so `eval "$(tests/services/services.sh up)"` works.
@@ -36,6 +38,7 @@ CASS_MLOCK=${IMDEDUP_CASSANDRA_MLOCK:-0}                 # 1: let Cassandra mloc
 CLUSTER_CQL_PORT=${IMDEDUP_CLUSTER_CQL_PORT:-9242}
 CLUSTER_STORAGE_PORT=${IMDEDUP_CLUSTER_STORAGE_PORT:-7290}
 CLUSTER_XMX=${IMDEDUP_CLUSTER_XMX:-768m}
+CLUSTER_JMX_PORT=${IMDEDUP_CLUSTER_JMX_PORT:-7391}       # node i (0-2) on 127.0.0.1:PORT+i, for flush-cluster
 CLUSTER_HOSTS=(127.0.0.1 127.0.0.2 127.0.0.3)
 # Evenly spread single tokens, so each node owns a third before replication.
 CLUSTER_TOKENS=(-9223372036854775808 -3074457345618258603 3074457345618258602)
@@ -520,7 +523,9 @@ up_cassandra_cluster() {
       STORAGE_PORT="$CLUSTER_STORAGE_PORT" CQL_PORT="$CLUSTER_CQL_PORT" \
       TOKEN="${CLUSTER_TOKENS[$i]}" SEEDS="${CLUSTER_HOSTS[0]}:$CLUSTER_STORAGE_PORT"
     render "$HERE/logback.xml.in" "$dir/logback.xml" LOGDIR="$dir/logs"
-    local CASS_XMX=$CLUSTER_XMX CASS_JMX_PORT=""
+    # Local JMX binds 127.0.0.1 whatever the node's address: a port each.
+    local CASS_XMX=$CLUSTER_XMX CASS_JMX_PORT=$((CLUSTER_JMX_PORT + i))
+    require_free_port "$CASS_JMX_PORT" IMDEDUP_CLUSTER_JMX_PORT
     cass_jvm_opts "$dir"
     # A node that comes back first asks the seed about the ring (a shadow
     # round): give it the time the single node's fast start takes away.
@@ -686,6 +691,29 @@ cmd_cql() {
   cql_probe "$port" "$@"
 }
 
+# Every running node of the cluster flushes its memtables (the schema's
+# too) to sstables. A node SIGKILLed with a schema change only in its commit
+# log replays it into system_schema on restart but not into the schema it
+# serves (Cassandra 5.0.9: "keyspace … does not exist" for minutes), so the
+# fault scenarios flush the keyspaces they make before killing nodes.
+cmd_flush_cluster() {
+  ensure_java
+  ensure_cassandra_dist
+  local i dir n=0
+  for i in 0 1 2; do
+    dir=$(cluster_dir "$i")
+    pid_of "$dir" cassandra >/dev/null || continue
+    "$JAVA" -Xmx128m -XX:TieredStopAtLevel=1 --add-exports java.base/sun.nio.ch=ALL-UNNAMED \
+      --add-opens java.base/sun.nio.ch=ALL-UNNAMED --add-exports java.base/jdk.internal.ref=ALL-UNNAMED \
+      -cp "$CASS_CP" org.apache.cassandra.tools.NodeTool \
+      -h 127.0.0.1 -p $((CLUSTER_JMX_PORT + i)) flush >/dev/null \
+      || die "nodetool flush failed on cluster node $((i + 1)) (JMX 127.0.0.1:$((CLUSTER_JMX_PORT + i)))"
+    n=$((n + 1))
+  done
+  [ "$n" -gt 0 ] || die "no node of the cassandra cluster is running"
+  log "cassandra cluster: $n nodes flushed"
+}
+
 main() {
   [ "$#" -ge 1 ] || usage
   local cmd=$1; shift
@@ -695,6 +723,7 @@ main() {
     status) cmd_status ;;
     env) print_env ;;
     cql) cmd_cql "$@" ;;
+    flush-cluster) cmd_flush_cluster ;;
     -h|--help|help) usage 0 ;;
     *) log "unknown command: $cmd"; usage ;;
   esac
