@@ -20,10 +20,12 @@
 #   tests/scenarios/faults.sh --cassandra-cluster   (the database's faults, below)
 #   tests/scenarios/faults.sh --redis-cluster       (a Redis master killed, below)
 #
-# With --cassandra-cluster, four other scenarios run on services.sh's opt-in
+# With --cassandra-cluster, five other scenarios run on services.sh's opt-in
 # three-node Cassandra cluster (RF 3, LOCAL_QUORUM, LOCAL_SERIAL), not in the
-# suite: node-sigkill (node3 killed, back later), node-pause (node2 SIGSTOPped
-# for 10 s, like a long GC pause), two-nodes-down (no quorum for 6 s),
+# suite, each after 10 s of unaudited load that warms the nodes up: no-fault,
+# node-sigkill (node3 killed, back later), node-pause (node2 SIGSTOPped for
+# 10 s, like a long GC pause), two-nodes-down (node2 and node3 killed and
+# restarted 6 s later; no quorum until they are back, about 24 s here),
 # node-restart-2-3-shards (node3 stopped and started again while a third
 # ingest shard joins and every service rolls onto the new map).
 #

@@ -125,7 +125,7 @@ impl LoadBalancingPolicy for AvoidStalled {
                     tracing::warn!(
                         node = %first.0.address,
                         after_ms = self.stall_after.as_millis(),
-                        "database node not answering: its requests go to other replicas first"
+                        "database node not answering: its requests go to other replicas first, if there are any"
                     );
                 }
                 self.inner
