@@ -2,7 +2,10 @@
 //! database of `tests/services/services.sh`,
 //! 1. the raw rate of `INSERT … IF NOT EXISTS` against the database alone
 //!    (the ceiling), and of the plain history-row write beside it, and what
-//!    the pipeline's mix of requests allows from those two alone;
+//!    the pipeline's mix of requests allows from those two alone; and, as
+//!    a probe of the design record's next step (docs/decisions.md, "Three
+//!    database writes per message"), the rate of a conditional batch that
+//!    writes a key row and a history row in one partition;
 //! 2. the ingest pipeline's rate of new messages (Redis claim, LWT insert,
 //!    history row, Redis remember) against the same database, and its ratio
 //!    to the ceiling;
@@ -26,7 +29,12 @@ use std::{
 };
 
 use ::scylla::{
-    client::session::Session, serialize::row::SerializeRow, statement::prepared::PreparedStatement,
+    client::session::Session,
+    serialize::row::SerializeRow,
+    statement::{
+        batch::{Batch, BatchType},
+        prepared::PreparedStatement,
+    },
 };
 use async_trait::async_trait;
 use futures_util::{StreamExt, stream};
@@ -249,10 +257,62 @@ async fn main() {
         })
     };
     let _ = raw_write(format!("wwarm{run}"), warmup).await;
+
+    // 1c. The design record's next step, probed: the key row and the
+    // history row in one table partitioned by conversation, written by one
+    // conditional batch (one Paxos round). The rows are the same sizes as
+    // the pipeline's; one conversation is never in two batches at once
+    // here (64 in flight over 1,000 conversations, in order), as the
+    // owner's lock guarantees in the design.
+    session
+        .query_unpaged(
+            format!(
+                "CREATE TABLE IF NOT EXISTS {}.probe_log (conversation text, kind tinyint, \
+                 pos bigint, sender text, client_msg_id blob, body text, server_id bigint, \
+                 stored_at_ms bigint, PRIMARY KEY ((conversation), kind, pos, sender, client_msg_id))",
+                options.keyspace
+            ),
+            (),
+        )
+        .await
+        .unwrap();
+    let probe_row = format!(
+        "INSERT INTO {}.probe_log (conversation, kind, pos, sender, client_msg_id, body, server_id, stored_at_ms) \
+         VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        options.keyspace
+    );
+    let key_row = session
+        .prepare(format!("{probe_row} IF NOT EXISTS"))
+        .await
+        .unwrap();
+    let history_row = session.prepare(probe_row).await.unwrap();
+    let mut batch = Batch::new(BatchType::Unlogged);
+    batch.append_statement(key_row);
+    batch.append_statement(history_row);
+    batch.set_consistency(options.consistency);
+    batch.set_serial_consistency(Some(options.serial_consistency));
+    let raw_batch = |prefix: String, count: usize| {
+        let (session, batch) = (&session, &batch);
+        per_second(count, concurrency, move |i| {
+            let m = message(&prefix, i, 1000);
+            async move {
+                let (conversation, sender) = (m.conversation.as_str(), m.key.sender.as_str());
+                let (id, body, n) = (m.key.client_msg_id.as_bytes(), m.body.as_str(), i as i64);
+                let rows = (
+                    (conversation, 0_i8, 0_i64, sender, id, "", n, 0_i64),
+                    (conversation, 1_i8, n, sender, id, body, n, 0_i64),
+                );
+                let result = session.batch(batch, rows).await.unwrap();
+                let applied = result.into_rows_result().unwrap().first_row::<(bool,)>();
+                assert!(matches!(applied, Ok((true,))), "a new key is applied");
+            }
+        })
+    };
+    let _ = raw_batch(format!("bwarm{run}"), warmup).await;
     let rounds = env_or("BENCH_ROUNDS", 5).max(1);
 
     let (mut ceilings, mut pipelines, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut writes, mut mix_ratios) = (Vec::new(), Vec::new());
+    let (mut writes, mut mix_ratios, mut batch_ratios) = (Vec::new(), Vec::new(), Vec::new());
     // What the pipeline's new messages cost the database, every request the
     // store sent counted (seq and server-id leases and the membership's
     // heartbeats included, spread over the messages).
@@ -278,14 +338,17 @@ async fn main() {
             (raw(raw_prefix, messages).await, rate)
         };
         let write_rate = raw_write(format!("w{round}{run}"), messages).await;
+        let batch_rate = raw_batch(format!("b{round}{run}"), messages).await;
+        batch_ratios.push(batch_rate / ceiling);
         // The database's time per message if it did nothing but the
         // pipeline's requests, each at its raw rate: one LWT, two writes.
         let mix = 1.0 / (1.0 / ceiling + 2.0 / write_rate);
         println!(
-            "   round {}: raw {ceiling:>6.0} inserts/s, pipeline {rate:>6.0} msgs/s, ratio {:.2}; plain writes {write_rate:>6.0}/s, the mix allows {:.2}",
+            "   round {}: raw {ceiling:>6.0} inserts/s, pipeline {rate:>6.0} msgs/s, ratio {:.2}; plain writes {write_rate:>6.0}/s, the mix allows {:.2}; conditional batches {batch_rate:>6.0}/s ({:.2})",
             round + 1,
             rate / ceiling,
-            mix / ceiling
+            mix / ceiling,
+            batch_rate / ceiling,
         );
         writes.push(write_rate);
         mix_ratios.push(mix / ceiling);
@@ -310,6 +373,10 @@ async fn main() {
     println!(
         "1b. raw plain history-row write:           {write_rate:>9.0} writes/s; an LWT costs the database {lwt_in_writes:.1} plain writes, so 1 LWT + 2 writes per message allow {mix_ratio:.2} of the ceiling at best (median of {rounds} rounds), 1 LWT + 1 write {:.2}",
         lwt_in_writes / (lwt_in_writes + 1.0),
+    );
+    println!(
+        "1c. conditional batch, key + history row in one partition (the design record's next step): {:.2} of the ceiling (median of {rounds} rounds)",
+        median(&mut batch_ratios)
     );
     let per_new = per_message([0; 4], new_requests, messages * rounds);
     println!(
