@@ -78,6 +78,8 @@ ACKED = 'outcome=~"stored|duplicate_window|duplicate_unique_key|duplicate_busine
 NOT_IN_PROOF = {
     "imdedup_store_seq_leases_total": "seq and server-id block leases (LWTs) exist only on the CQL "
                                       "store (ScyllaDB/Cassandra); the proof's storage is SQLite",
+    "imdedup_store_nodes_stalled": "database nodes routed around exist only on the CQL store "
+                                   "(ScyllaDB/Cassandra); the proof's storage is SQLite",
 }
 # The alerts the injected faults must set off (pending: their `for:` is minutes).
 EXPECTED_ALERTS = ("ImdedupWindowBypassed", "ImdedupStorageErrors")

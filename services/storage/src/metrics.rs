@@ -7,7 +7,7 @@ use std::time::Duration;
 use imdedup_runtime::metrics::{Durations, Registry, durations};
 use prometheus_client::{
     encoding::EncodeLabelSet,
-    metrics::{counter::Counter, family::Family},
+    metrics::{counter::Counter, family::Family, gauge::Gauge},
     registry::Unit,
 };
 
@@ -28,6 +28,11 @@ struct LeaseLabels {
 struct StoreRequestLabels {
     db_system: &'static str,
     kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DbSystemLabels {
+    db_system: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -52,6 +57,8 @@ pub struct StoreMetrics {
     leases: Family<LeaseLabels, Counter>,
     errors: Family<StoreOperationLabels, Counter>,
     operations: Durations<StoreOperationLabels>,
+    nodes_stalled: Family<DbSystemLabels, Gauge>,
+    node_stalls: Family<DbSystemLabels, Counter>,
 }
 
 impl Default for StoreMetrics {
@@ -62,6 +69,8 @@ impl Default for StoreMetrics {
             leases: Family::default(),
             errors: Family::default(),
             operations: durations(),
+            nodes_stalled: Family::default(),
+            node_stalls: Family::default(),
         }
     }
 }
@@ -95,6 +104,16 @@ impl StoreMetrics {
             Unit::Seconds,
             m.operations.clone(),
         );
+        registry.register(
+            "imdedup_store_nodes_stalled",
+            "Database nodes this process routes around now: asked, and silent for a quarter of the request timeout",
+            m.nodes_stalled.clone(),
+        );
+        registry.register(
+            "imdedup_store_node_stalls",
+            "Times a database node was found silent and routed around",
+            m.node_stalls.clone(),
+        );
         m
     }
 
@@ -121,6 +140,9 @@ impl StoreMetrics {
                         .get_or_create(&StoreRequestLabels { db_system, kind }),
                 );
             }
+            let labels = DbSystemLabels { db_system };
+            drop(self.nodes_stalled.get_or_create(&labels));
+            drop(self.node_stalls.get_or_create(&labels));
             for kind in ["conversation", "server_id"] {
                 for result in ["leased", "contended"] {
                     drop(self.leases.get_or_create(&LeaseLabels {
@@ -169,6 +191,20 @@ impl StoreMetrics {
             .inc();
     }
 
+    /// A database node stopped answering and is routed around.
+    pub fn node_stalled(&self, db_system: &'static str) {
+        let labels = DbSystemLabels { db_system };
+        self.node_stalls.get_or_create(&labels).inc();
+        self.nodes_stalled.get_or_create(&labels).inc();
+    }
+
+    /// A stalled database node answered again.
+    pub fn node_answering(&self, db_system: &'static str) {
+        self.nodes_stalled
+            .get_or_create(&DbSystemLabels { db_system })
+            .dec();
+    }
+
     /// One database operation (insert, lookup, history) took `elapsed`.
     pub fn operation(
         &self,
@@ -204,6 +240,9 @@ mod tests {
         store.inserted(DB_CASSANDRA, false);
         store.leased(DB_CASSANDRA, "conversation", true);
         store.operation(DB_SQLITE, "history", Duration::from_millis(1), false);
+        store.node_stalled(DB_CASSANDRA);
+        store.node_stalled(DB_CASSANDRA);
+        store.node_answering(DB_CASSANDRA);
 
         let text = render(&registry);
         assert_samples(
@@ -227,6 +266,16 @@ mod tests {
                     "imdedup_store_errors_total",
                     &[("db_system", "sqlite"), ("operation", "history")],
                     1.0,
+                ),
+                (
+                    "imdedup_store_nodes_stalled",
+                    &[("db_system", "cassandra")],
+                    1.0,
+                ),
+                (
+                    "imdedup_store_node_stalls_total",
+                    &[("db_system", "cassandra")],
+                    2.0,
                 ),
             ],
         );

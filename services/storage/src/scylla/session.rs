@@ -69,6 +69,7 @@ pub async fn connect(options: &ScyllaOptions) -> Result<Session, Error> {
         policy.build(),
         options.request_timeout.mul_f64(STALL_AFTER),
         options.request_timeout / 2,
+        options.metrics.clone(),
     )));
     builder = builder.default_execution_profile_handle(profile.build().into_handle());
     let session = builder.build().await.map_err(|e| db_error("connect", e))?;

@@ -20,6 +20,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use crate::metrics::{DB_CASSANDRA, StoreMetrics};
 use scylla::{
     cluster::{ClusterState, NodeRef},
     errors::RequestAttemptError,
@@ -79,6 +80,7 @@ pub struct AvoidStalled {
     nodes: Mutex<HashMap<Uuid, Health>>,
     stall_after: Duration,
     probe_every: Duration,
+    metrics: StoreMetrics,
 }
 
 impl AvoidStalled {
@@ -88,12 +90,14 @@ impl AvoidStalled {
         inner: Arc<dyn LoadBalancingPolicy>,
         stall_after: Duration,
         probe_every: Duration,
+        metrics: StoreMetrics,
     ) -> Self {
         Self {
             inner,
             nodes: Mutex::new(HashMap::new()),
             stall_after,
             probe_every,
+            metrics,
         }
     }
 
@@ -104,6 +108,7 @@ impl AvoidStalled {
     fn answered(&self, node: NodeRef<'_>) {
         let was_stalled = self.nodes().entry(node.host_id).or_default().answered();
         if was_stalled {
+            self.metrics.node_answering(DB_CASSANDRA);
             tracing::info!(node = %node.address, "database node answering again");
         }
     }
@@ -122,6 +127,7 @@ impl LoadBalancingPolicy for AvoidStalled {
             let health = nodes.entry(first.0.host_id).or_default();
             if health.stalled(now, self.stall_after) && !health.probe(now, self.probe_every) {
                 if !std::mem::replace(&mut health.reported, true) {
+                    self.metrics.node_stalled(DB_CASSANDRA);
                     tracing::warn!(
                         node = %first.0.address,
                         after_ms = self.stall_after.as_millis(),
