@@ -20,7 +20,7 @@ use scylla::{
 use super::{
     ScyllaOptions,
     rows::db_error,
-    stalls::{AvoidStalled, STALL_AFTER},
+    stalls::{AvoidStalled, STALL_AFTER_SHARE},
 };
 
 /// Connect to the cluster.
@@ -67,7 +67,7 @@ pub async fn connect(options: &ScyllaOptions) -> Result<Session, Error> {
     }
     profile = profile.load_balancing_policy(Arc::new(AvoidStalled::new(
         policy.build(),
-        options.request_timeout.mul_f64(STALL_AFTER),
+        options.request_timeout.mul_f64(STALL_AFTER_SHARE),
         options.request_timeout / 2,
         options.metrics.clone(),
     )));

@@ -8,10 +8,10 @@
 //! database limit takes one stalled replica for a stalled database.
 //!
 //! [`AvoidStalled`] wraps the driver's policy: a node that was asked and has
-//! answered nothing for [`STALL_AFTER`] of the request timeout is *stalled*,
-//! and requests go first to the other replicas of their plan. Once per
-//! probe interval one request still goes to it, so it is used again as
-//! soon as it answers. When every node of a plan is stalled (a stalled
+//! answered nothing for [`STALL_AFTER_SHARE`] of the request timeout is
+//! *stalled*, and requests go first to the other replicas of their plan.
+//! Once per probe interval one request still goes to it, so it is used
+//! again as soon as it answers. When every node of a plan is stalled (a stalled
 //! database, not a replica), the plan is left as the driver made it.
 
 use std::{
@@ -31,7 +31,7 @@ use uuid::Uuid;
 
 /// The share of the request timeout a node may leave a request unanswered,
 /// answering nothing else meanwhile, before it counts as stalled.
-pub const STALL_AFTER: f64 = 0.25;
+pub const STALL_AFTER_SHARE: f64 = 0.25;
 
 /// What this process knows of one node's answers.
 #[derive(Debug, Default, Clone)]
