@@ -40,8 +40,9 @@
 //! refusal is counted as shed.
 //!
 //! **Held sends.** A phone that asks for `queue` is not refused: the
-//! gateway holds its send with its appointment, in one queue in the order
-//! of the appointments ([`Admission::hold`]), and presents it itself. A
+//! gateway holds its send with its appointment (past the horizon, with the
+//! wait it would be told), in one queue in the order of the appointments
+//! ([`Admission::hold`]), and presents it itself. A
 //! place given back goes to the oldest held send when its appointment has
 //! come (up to twice the limit, as for a phone back on time), or whatever
 //! its appointment when the gateway is less than [`PULL_FORWARD`] full:

@@ -820,11 +820,8 @@ mod tests {
         assert!(after.is_ok(), "goes once it is answered");
     }
 
-    /// In a surge the gateway holds tens of thousands of sends, each a
-    /// task, and a held send's memory is what a surge grows by: its task
-    /// must not carry the gRPC send's state while it waits.
-    #[tokio::test]
-    async fn a_held_send_waits_in_a_small_task() {
+    /// A gateway whose backends are never reached.
+    fn gateway(limits: crate::limits::Limits) -> Arc<Gateway> {
         use imdedup_domain::{clock::SystemClock, routing::ShardMap};
         use imdedup_runtime::{
             tls::InternalTls,
@@ -832,7 +829,7 @@ mod tests {
         };
 
         let key = TokenKey::new("0123456789abcdef0123456789abcdef-test").expect("a key");
-        let gateway = Arc::new(
+        Arc::new(
             Gateway::new(crate::GatewayConfig {
                 shards: ShardMap::parse(&["ingest-0=http://127.0.0.1:9"]).expect("a shard"),
                 storage: "http://127.0.0.1:9".to_owned(),
@@ -844,11 +841,62 @@ mod tests {
                 max_body_bytes: 4096,
                 max_connections: 10,
                 max_in_flight_per_connection: 10,
-                limits: crate::limits::Limits::default(),
+                limits,
                 clock: Arc::new(SystemClock),
             })
             .expect("a gateway that connects lazily"),
+        )
+    }
+
+    /// Appointments reach 20 s ahead at most. A phone refused past that
+    /// is told to come back after 20 s, however soon the backlog ahead of
+    /// it is served; a phone that asked to be queued is held instead, and
+    /// goes as soon as a place frees.
+    #[tokio::test]
+    async fn a_phone_that_asks_to_be_queued_is_held_even_past_the_horizon() {
+        let gateway = gateway(crate::limits::Limits {
+            max_sends_in_flight: 1,
+            ..crate::limits::Limits::default()
+        });
+        let cmd = |i: usize, queue: bool| SendCmd {
+            id: format!("m-{i}").into_bytes(),
+            id_b64: false,
+            conversation: format!("dm:u{i}:bo"),
+            body: "hello".to_owned(),
+            queue,
+        };
+        let sender = |i: usize| Sender::parse(format!("u{i}")).expect("a sender");
+        let mut kept = Vec::new();
+        // The one place, then appointments 0.1 s apart (the slowest pace,
+        // as nothing was served yet): 200 reach the horizon.
+        for i in 0..400 {
+            let admitted = gateway
+                .admit_send(&sender(i), &cmd(i, true), false)
+                .expect("held, not refused");
+            assert!(
+                i == 0 || matches!(admitted, AdmittedSend::Held(_)),
+                "send {i} is held"
+            );
+            kept.push(admitted);
+        }
+        let refused = gateway
+            .admit_send(&sender(400), &cmd(400, false), false)
+            .err()
+            .expect("a phone that did not ask to be queued is refused");
+        assert_eq!(refused.kind(), imdedup_domain::ErrorKind::Overloaded);
+        let wait = refused.retry_after().expect("a retry-after hint");
+        assert!(
+            wait >= Duration::from_secs(18),
+            "past the horizon: {wait:?}"
         );
+    }
+
+    /// In a surge the gateway holds tens of thousands of sends, each a
+    /// task, and a held send's memory is what a surge grows by: its task
+    /// must not carry the gRPC send's state while it waits.
+    #[tokio::test]
+    async fn a_held_send_waits_in_a_small_task() {
+        let gateway = gateway(crate::limits::Limits::default());
         let (out, _replies) = mpsc::channel(1);
         let reply = Reply {
             gateway: Arc::clone(&gateway),

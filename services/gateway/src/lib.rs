@@ -230,7 +230,13 @@ impl Gateway {
         };
         let pass = match admitted {
             Ok(pass) => pass,
-            Err(Refusal::Appointment { retry_after }) if cmd.queue => {
+            // Past the horizon too: a held send is served as soon as a
+            // place frees, so a phone that asked to be queued is held
+            // rather than told to come back after the horizon, when the
+            // backlog ahead of it may long be gone.
+            Err(Refusal::Appointment { retry_after } | Refusal::Shed { retry_after })
+                if cmd.queue =>
+            {
                 // Behind a held send of its conversation while the backlog
                 // drains: that conversation goes first (the connection
                 // promotes its held sends), and this send with it.
