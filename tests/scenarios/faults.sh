@@ -6,7 +6,7 @@
 # Four scenarios, each on a cluster of its own (storage, two ingest shards
 # writing to Cassandra themselves, a gateway; separate processes on
 # loopback), with `imdedup-load steady` driving the gateway:
-#   history-write-failing  5% of the writes that publish a stored message fail
+#   last-write-failing     5% of stored messages' last write (the global key row) fails
 #                          (the ingest's hidden fault knob), so rows stay
 #                          pending until the phone's resend settles them
 #   ingest-sigkill         ingest-1 is SIGKILLed mid-run and restarted

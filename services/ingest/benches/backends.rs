@@ -19,6 +19,9 @@
 //! ratio measured side by side much less.
 //! Sizes: BENCH_MESSAGES (default 20000), BENCH_CONCURRENCY (64),
 //! BENCH_MEMORY_KEYS (200000), BENCH_WARMUP (5000 through each, unmeasured).
+//! With BENCH_DB_PID (the database's process,
+//! `$(cat /tmp/imdedup-services/cassandra/pid)` with services.sh) it also
+//! prints the database's CPU per message, raw and through the pipeline.
 
 use std::{
     sync::{
@@ -99,6 +102,28 @@ fn median(values: &mut [f64]) -> f64 {
     } else {
         values[mid]
     }
+}
+
+/// CPU seconds a process has used so far (user + system), from
+/// `/proc/PID/stat`; `None` where it cannot be read (not Linux, gone).
+fn cpu_seconds(pid: &str) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name, which is in parentheses and may hold
+    // spaces: state is field 3, utime and stime fields 14 and 15.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    // USER_HZ is 100 on every Linux this runs on.
+    Some(ticks / 100.0)
+}
+
+/// The database's and this process's CPU seconds so far: the database's
+/// process from `BENCH_DB_PID` (services.sh writes it to
+/// `/tmp/imdedup-services/cassandra/pid`), this one from `/proc/self`.
+fn cpu_now() -> (Option<f64>, Option<f64>) {
+    let db = std::env::var("BENCH_DB_PID")
+        .ok()
+        .and_then(|pid| cpu_seconds(&pid));
+    (db, cpu_seconds("self"))
 }
 
 /// The store's database requests so far, by kind (as `RequestKind::ALL`).
@@ -316,6 +341,7 @@ async fn main() {
     // store sent counted (seq and server-id leases and the membership's
     // heartbeats included, spread over the messages).
     let mut new_requests = [0u64; 4];
+    let (mut raw_cpu, mut pipeline_cpu) = (Vec::new(), Vec::new());
     for round in 0..rounds {
         let (raw_prefix, pipeline_prefix) = (format!("raw{round}{run}"), format!("p{round}{run}"));
         let counted = |rate: f64, before: [u64; 4], new_requests: &mut [u64; 4]| {
@@ -325,16 +351,34 @@ async fn main() {
             }
             rate
         };
+        // CPU per message of the database and of this process (the whole
+        // ingest pipeline and its driver), over each step.
+        let timed = |before: (Option<f64>, Option<f64>), cpu: &mut Vec<[f64; 2]>| {
+            let after = cpu_now();
+            if let ((Some(d0), Some(s0)), (Some(d1), Some(s1))) = (before, after) {
+                let per = |a: f64, b: f64| (b - a) * 1e6 / messages as f64;
+                cpu.push([per(d0, d1), per(s0, s1)]);
+            }
+        };
         let (ceiling, rate) = if round % 2 == 0 {
+            let cpu = cpu_now();
             let ceiling = raw(raw_prefix, messages).await;
+            timed(cpu, &mut raw_cpu);
             let before = requests(&options);
+            let cpu = cpu_now();
             let rate = pipeline(pipeline_prefix, messages).await;
+            timed(cpu, &mut pipeline_cpu);
             (ceiling, counted(rate, before, &mut new_requests))
         } else {
             let before = requests(&options);
+            let cpu = cpu_now();
             let rate = pipeline(pipeline_prefix, messages).await;
+            timed(cpu, &mut pipeline_cpu);
             let rate = counted(rate, before, &mut new_requests);
-            (raw(raw_prefix, messages).await, rate)
+            let cpu = cpu_now();
+            let ceiling = raw(raw_prefix, messages).await;
+            timed(cpu, &mut raw_cpu);
+            (ceiling, rate)
         };
         let write_rate = raw_write(format!("w{round}{run}"), messages).await;
         let batch_rate = raw_batch(format!("b{round}{run}"), messages).await;
@@ -376,6 +420,17 @@ async fn main() {
         "1c. conditional batch alone, key + history row in one partition (the pipeline's LWT): {:.2} of the ceiling (median of {rounds} rounds)",
         median(&mut batch_ratios)
     );
+    if !raw_cpu.is_empty() && !pipeline_cpu.is_empty() {
+        let mut column =
+            |cpu: &[[f64; 2]], k: usize| median(&mut cpu.iter().map(|c| c[k]).collect::<Vec<_>>());
+        let (raw_db, pipeline_db) = (column(&raw_cpu, 0), column(&pipeline_cpu, 0));
+        println!(
+            "1d. database CPU per message: raw LWT {raw_db:.0} µs, pipeline {pipeline_db:.0} µs ({:.2}x); this process (the ingest pipeline and its driver) {:.0} µs per pipeline message, {:.0} per raw LWT (medians of {rounds} rounds)",
+            pipeline_db / raw_db,
+            column(&pipeline_cpu, 1),
+            column(&raw_cpu, 1),
+        );
+    }
     let per_new = per_message([0; 4], new_requests, messages * rounds);
     println!(
         "   per new message: LWT {:.3}, writes {:.3}, reads {:.3}, serial reads {:.3} (every request the store sent, leases and heartbeats included; goal <= 1 LWT + 1 write)",

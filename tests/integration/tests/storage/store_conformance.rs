@@ -11,7 +11,7 @@ use imdedup_storage::{ScyllaStore, SqliteOptions, SqliteStore};
 use imdedup_testkit::conformance::store::conforms;
 
 use super::common;
-use common::{history, message, scylla_options};
+use common::{message, scylla_options};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_conforms() {
