@@ -342,6 +342,7 @@ async fn main() {
     // heartbeats included, spread over the messages).
     let mut new_requests = [0u64; 4];
     let (mut raw_cpu, mut pipeline_cpu) = (Vec::new(), Vec::new());
+    let (mut write_cpu, mut batch_cpu) = (Vec::new(), Vec::new());
     for round in 0..rounds {
         let (raw_prefix, pipeline_prefix) = (format!("raw{round}{run}"), format!("p{round}{run}"));
         let counted = |rate: f64, before: [u64; 4], new_requests: &mut [u64; 4]| {
@@ -380,8 +381,12 @@ async fn main() {
             timed(cpu, &mut raw_cpu);
             (ceiling, rate)
         };
+        let cpu = cpu_now();
         let write_rate = raw_write(format!("w{round}{run}"), messages).await;
+        timed(cpu, &mut write_cpu);
+        let cpu = cpu_now();
         let batch_rate = raw_batch(format!("b{round}{run}"), messages).await;
+        timed(cpu, &mut batch_cpu);
         batch_ratios.push(batch_rate / ceiling);
         // The database's time per message if it did nothing but the
         // pipeline's requests, each at its raw rate: one LWT, one write.
@@ -420,15 +425,23 @@ async fn main() {
         "1c. conditional batch alone, key + history row in one partition (the pipeline's LWT): {:.2} of the ceiling (median of {rounds} rounds)",
         median(&mut batch_ratios)
     );
-    if !raw_cpu.is_empty() && !pipeline_cpu.is_empty() {
-        let mut column =
+    if [&raw_cpu, &pipeline_cpu, &write_cpu, &batch_cpu]
+        .iter()
+        .all(|cpu| !cpu.is_empty())
+    {
+        let column =
             |cpu: &[[f64; 2]], k: usize| median(&mut cpu.iter().map(|c| c[k]).collect::<Vec<_>>());
-        let (raw_db, pipeline_db) = (column(&raw_cpu, 0), column(&pipeline_cpu, 0));
+        let raw_db = column(&raw_cpu, 0);
+        let db = |cpu: &[[f64; 2]]| {
+            let us = column(cpu, 0);
+            format!("{us:.0} µs ({:.2}x)", us / raw_db)
+        };
         println!(
-            "1d. database CPU per message: raw LWT {raw_db:.0} µs, pipeline {pipeline_db:.0} µs ({:.2}x); this process (the ingest pipeline and its driver) {:.0} µs per pipeline message, {:.0} per raw LWT (medians of {rounds} rounds)",
-            pipeline_db / raw_db,
+            "1d. database CPU per request or message: raw LWT {raw_db:.0} µs; plain write {}; conditional batch alone {}; pipeline message {}; this process (the ingest pipeline and its driver) {:.0} µs per pipeline message (medians of {rounds} rounds)",
+            db(&write_cpu),
+            db(&batch_cpu),
+            db(&pipeline_cpu),
             column(&pipeline_cpu, 1),
-            column(&raw_cpu, 1),
         );
     }
     let per_new = per_message([0; 4], new_requests, messages * rounds);
