@@ -4,8 +4,9 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 /// Faults the store injects on purpose: failing a new message's last write
-/// (its global key row, after the message is stored and readable), and
-/// giving every key the same slot in its conversation. Off unless set; only
+/// (its global key row, after the message is stored and readable), giving
+/// every key the same slot in its conversation, and a batch that reaches
+/// the database late. Off unless set; only
 /// in a build with the `testing` feature.
 #[derive(Debug, Clone, Default)]
 pub struct Faults {
@@ -18,6 +19,7 @@ struct FaultCounters {
     commit_rate_ppm: AtomicU32,
     rolls: AtomicU64,
     collide: AtomicBool,
+    late_batch_ms: AtomicU64,
 }
 
 impl Faults {
@@ -40,6 +42,20 @@ impl Faults {
 
     pub(super) fn key_slots_collide(&self) -> bool {
         self.inner.collide.load(Ordering::Relaxed)
+    }
+
+    /// Answer the next message's batch at once as if it had timed out, and
+    /// send it `delay` later: a batch that reaches the database after its
+    /// writer gave up on it.
+    pub fn delay_next_batch(&self, delay: std::time::Duration) {
+        let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX).max(1);
+        self.inner.late_batch_ms.store(ms, Ordering::SeqCst);
+    }
+
+    /// The delay of this batch, when it is to be late.
+    pub(super) fn late_batch(&self) -> Option<std::time::Duration> {
+        let ms = self.inner.late_batch_ms.swap(0, Ordering::SeqCst);
+        (ms > 0).then(|| std::time::Duration::from_millis(ms))
     }
 
     /// Whether this commit is to fail.

@@ -16,8 +16,15 @@
 //!   first finishes the round left in progress there, if a quorum accepted
 //!   it, or supersedes it for good; once seq N+1 is visible, N is visible
 //!   or never will be;
-//! - an insert whose outcome is unknown (a timeout) keeps its seq; its
-//!   resend's round settles it, and finds the key or stores the message.
+//! - an insert whose outcome is unknown (a timeout) keeps its seq, and its
+//!   conversation takes no other write for the doubt window (the request
+//!   timeout and the servers' own margin): a batch that has not reached a
+//!   server yet could otherwise apply after a later message and behind a
+//!   reader's cursor. After the window, the next round finishes it, if a
+//!   quorum accepted it, or supersedes it for good; the resend finds the
+//!   key or stores the message. Another process takes a conversation over
+//!   only after the same window (the handover grace), and a process that
+//!   stops lets its conversations go only once its windows have passed.
 //!
 //! Two keys may hash to one slot: a key row holds its sender and ID, and a
 //! key that finds another's row tries the next slot. Key rows are never
@@ -32,6 +39,13 @@
 //! the upgrade, so resends of messages stored before it are recognised.
 //!
 //! [`ScyllaStore::lookup`]: super::ScyllaStore
+
+#[cfg(feature = "testing")]
+use std::sync::Arc;
+use std::{
+    sync::PoisonError,
+    time::{Duration, Instant},
+};
 
 use imdedup_domain::{
     Error,
@@ -84,6 +98,13 @@ impl Inner {
         let conversation = message.conversation.as_str().to_owned();
         // One insert at a time per conversation: seqs follow storage order.
         let locked = self.locks.lock(&conversation).await?;
+        if let Some(left) = self.in_doubt_for(&conversation) {
+            return Err(Error::unavailable(format!(
+                "the last write of this conversation is in doubt for {} ms more; retry",
+                left.as_millis()
+            ))
+            .with_retry_after(left));
+        }
         let seq = self.take_seq(&conversation).await?;
         let fingerprint = message.fingerprint();
         let row = StoredMessage {
@@ -142,6 +163,33 @@ impl Inner {
                 fingerprint_cell(fingerprint),
                 row.stored_at_ms,
             );
+            let sent = Instant::now();
+            #[cfg(feature = "testing")]
+            if let Some(delay) = self.options.faults.late_batch() {
+                let owned_key = (
+                    key_row.0.to_owned(),
+                    key_row.1,
+                    key_row.2.to_owned(),
+                    key_row.3.to_vec(),
+                    key_row.4,
+                    key_row.5,
+                    key_row.6,
+                    key_row.7,
+                );
+                let (a, b, c, d, e, f, g) = columns(row);
+                let owned_row = (
+                    a.to_owned(),
+                    b.to_vec(),
+                    c.to_owned(),
+                    d.to_owned(),
+                    e,
+                    f,
+                    g,
+                );
+                self.send_late(delay, (owned_key, owned_row));
+                self.doubt(row.conversation.as_str(), sent);
+                return Err(maybe_stored("insert", "injected: the batch is late"));
+            }
             let reply = self
                 .statements
                 .insert_message
@@ -156,9 +204,15 @@ impl Inner {
                     db.cassandra.table = "messages_by_conversation",
                 ))
                 .await;
-            // Unknown outcome: the seq stays spent; the resend's round
-            // finishes this one or supersedes it.
-            let reply = reply.map_err(|e| maybe_stored("insert", e))?;
+            // Unknown outcome: the seq stays spent, and the conversation
+            // waits out the doubt window.
+            let reply = match reply {
+                Ok(reply) => reply,
+                Err(e) => {
+                    self.doubt(row.conversation.as_str(), sent);
+                    return Err(maybe_stored("insert", e));
+                }
+            };
             let (applied, existing) = lwt::<ExistingSlot>(reply)?;
             if applied {
                 return Ok(Claim::Stored);
@@ -292,6 +346,53 @@ impl Inner {
             block.next = seq;
             self.seq_blocks.insert(conversation.to_owned(), block);
         }
+    }
+
+    /// A batch of `conversation` sent at `sent` got no answer: no other
+    /// write of it until the doubt window has passed.
+    fn doubt(&self, conversation: &str, sent: Instant) {
+        let until = sent + self.options.doubt_window();
+        let mut doubts = self.doubts.lock().unwrap_or_else(PoisonError::into_inner);
+        if doubts.len() >= 1024 {
+            let now = Instant::now();
+            doubts.retain(|_, until| *until > now);
+        }
+        doubts.insert(conversation.to_owned(), until);
+    }
+
+    /// How long `conversation` is still in doubt, if it is.
+    fn in_doubt_for(&self, conversation: &str) -> Option<Duration> {
+        let mut doubts = self.doubts.lock().unwrap_or_else(PoisonError::into_inner);
+        let left = doubts
+            .get(conversation)?
+            .checked_duration_since(Instant::now());
+        if left.is_none() {
+            doubts.remove(conversation);
+        }
+        left
+    }
+
+    /// When the last doubt window of this process ends (now if none is
+    /// open): its conversations may go to another process after that.
+    pub(super) fn doubts_end(&self) -> Instant {
+        let doubts = self.doubts.lock().unwrap_or_else(PoisonError::into_inner);
+        doubts.values().copied().max().unwrap_or_else(Instant::now)
+    }
+
+    /// The fault of a late batch: sent after `delay`, its answer ignored.
+    #[cfg(feature = "testing")]
+    fn send_late<V>(&self, delay: Duration, values: V)
+    where
+        V: scylla::serialize::batch::BatchValues + Send + Sync + 'static,
+    {
+        let (session, batch) = (
+            Arc::clone(&self.session),
+            self.statements.insert_message.clone(),
+        );
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            let _ = batch.execute(&session, values).await;
+        });
     }
 
     fn slot_hash(&self, key: &MessageKey) -> u64 {

@@ -124,6 +124,10 @@ struct Inner {
     /// Until when (Unix ms) inserts also check the key table of the layout
     /// before keys were kept per conversation; 0 on a keyspace made after.
     legacy_keys_until_ms: i64,
+    /// Conversations whose last batch got no answer, until when they take
+    /// no other write (`insert`). A map rather than a cache: an entry must
+    /// not be evicted while its window is open.
+    doubts: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
     server_ids: Mutex<Block>,
     /// Inserts running in their own tasks, waited for by `drain`.
     running: TaskTracker,
@@ -326,6 +330,7 @@ impl ScyllaStore {
                 server_ids: Mutex::new(Block::default()),
                 member,
                 legacy_keys_until_ms,
+                doubts: std::sync::Mutex::default(),
                 running: TaskTracker::new(),
                 options,
             }),
@@ -453,6 +458,9 @@ impl MessageStore for ScyllaStore {
     async fn drain(&self) {
         self.inner.running.close();
         self.inner.running.wait().await;
+        // A batch that got no answer may still reach a server until its
+        // window ends.
+        tokio::time::sleep_until(self.inner.doubts_end().into()).await;
         // Every write of ours has ended: others may take our conversations.
         self.inner.member.relinquish().await;
     }

@@ -97,9 +97,17 @@ impl ScyllaOptions {
     }
 
     /// How long after another process's last heartbeat ran out its
-    /// conversations may be taken: its last writes have landed or failed.
+    /// conversations may be taken: its last writes have landed or failed,
+    /// and none of its batches can still start on a server.
     pub fn handover_grace(&self) -> Duration {
-        self.request_timeout + self.clock_skew
+        self.doubt_window() + self.clock_skew
+    }
+
+    /// How long after it was sent a batch whose answer never came may still
+    /// start on a server: until then its conversation takes no other write,
+    /// so no later message can be visible before it.
+    pub fn doubt_window(&self) -> Duration {
+        self.request_timeout + LWT_SERVER_MARGIN
     }
 
     /// Refuse timings under which a fence would not hold.

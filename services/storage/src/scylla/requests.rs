@@ -71,6 +71,7 @@ impl Counted {
 /// A batch of prepared statements, counted as one request of `kind` (a
 /// conditional batch on one partition is one Paxos round, whatever it
 /// writes).
+#[derive(Clone)]
 pub(super) struct CountedBatch {
     batch: Batch,
     kind: RequestKind,

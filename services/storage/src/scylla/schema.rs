@@ -54,8 +54,10 @@ pub async fn migrate(session: &Session, options: &ScyllaOptions) -> Result<(), E
     }
     // Made before keys were kept per conversation: its messages' keys are
     // in `messages_by_key` alone, and a resend of one must still find it.
+    // (A migration cut off before it recorded the layout is taken for an
+    // upgrade: the old key table is read for nothing until the horizon.)
     let upgraded_from_global_keys = table_exists(session, ks, "messages_by_key").await?
-        && !table_exists(session, ks, "layout_changes").await?;
+        && !layout_recorded(session, ks).await?;
     let tables = [
         format!(
             "CREATE TABLE IF NOT EXISTS {ks}.messages_by_key (
@@ -143,6 +145,22 @@ async fn table_exists(session: &Session, ks: &str, table: &str) -> Result<bool, 
         .await
         .map_err(|e| db_error("read schema", e))?;
     Ok(!rows::<(String,)>(result)?.is_empty())
+}
+
+/// Whether the migration has recorded since when keys are kept per
+/// conversation.
+async fn layout_recorded(session: &Session, ks: &str) -> Result<bool, Error> {
+    if !table_exists(session, ks, "layout_changes").await? {
+        return Ok(false);
+    }
+    let result = session
+        .query_unpaged(
+            format!("SELECT since_ms FROM {ks}.layout_changes WHERE name = ?"),
+            (CONVERSATION_KEYS,),
+        )
+        .await
+        .map_err(|e| db_error("read the layout", e))?;
+    Ok(!rows::<(i64,)>(result)?.is_empty())
 }
 
 /// Add the columns `table` lacks (ScyllaDB has no `ADD IF NOT EXISTS`).

@@ -71,6 +71,56 @@ async fn a_message_answered_maybe_stored_is_readable_in_order_and_its_resend_get
     assert_eq!(store.history(&history("c", 0)).await.unwrap(), rows);
 }
 
+/// A batch whose answer never came may still reach a server later: its
+/// conversation takes no other write until it can no longer apply, so it
+/// never lands behind a later message that a follower has read past.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_that_reaches_the_database_late_never_lands_behind_a_later_message() {
+    let Some(options) = scylla_options() else {
+        return;
+    };
+    let options = quick(options, "ingest-0");
+    let faults = options.faults.clone();
+    let store = ScyllaStore::open(options.clone()).await.unwrap();
+    // A's batch gets no answer; it reaches the database a second later.
+    faults.delay_next_batch(Duration::from_secs(1));
+    let err = store
+        .insert_once(message("ana", "a", "c", "A"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::MaybeStored, "{err}");
+    // B, sent at once, is refused until A's batch can no longer start:
+    // stored now, it could be read before A appears behind it.
+    let err = store
+        .insert_once(message("ben", "b", "c", "B"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    assert!(err.retryable());
+    let wait = err
+        .retry_after()
+        .expect("the refusal says when to come back");
+    assert!(wait <= options.doubt_window(), "{wait:?}");
+    tokio::time::sleep(wait).await;
+    let b = store
+        .insert_once(message("ben", "b", "c", "B"))
+        .await
+        .unwrap();
+    let rows = store.history(&history("c", 0)).await.unwrap();
+    assert_eq!(
+        rows.iter().map(|r| r.body.as_str()).collect::<Vec<_>>(),
+        ["A", "B"],
+        "A landed before B was stored"
+    );
+    assert_eq!(rows[1], *b.message());
+    // A's resend gets the receipt its late batch stored.
+    let a = store
+        .insert_once(message("ana", "a", "c", "A"))
+        .await
+        .unwrap();
+    assert_eq!(a, Insert::AlreadyStored(rows[0].clone()));
+}
+
 /// Pending history rows are no longer written, but an older version's may
 /// still be in a keyspace it used.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
