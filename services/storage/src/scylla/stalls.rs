@@ -105,6 +105,13 @@ impl AvoidStalled {
         self.nodes.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Whether `node` is stalled now, by what `nodes` knows of it.
+    fn is_stalled(&self, nodes: &HashMap<Uuid, Health>, node: NodeRef<'_>, now: Instant) -> bool {
+        nodes
+            .get(&node.host_id)
+            .is_some_and(|h| h.stalled(now, self.stall_after))
+    }
+
     fn answered(&self, node: NodeRef<'_>) {
         let was_stalled = self.nodes().entry(node.host_id).or_default().answered();
         if was_stalled {
@@ -136,11 +143,7 @@ impl LoadBalancingPolicy for AvoidStalled {
                 }
                 self.inner
                     .fallback(request, cluster)
-                    .find(|(node, _)| {
-                        !nodes
-                            .get(&node.host_id)
-                            .is_some_and(|h| h.stalled(now, self.stall_after))
-                    })
+                    .find(|(node, _)| !self.is_stalled(&nodes, node, now))
                     .unwrap_or(first)
             } else {
                 first
@@ -157,13 +160,13 @@ impl LoadBalancingPolicy for AvoidStalled {
     ) -> FallbackPlan<'a> {
         let now = Instant::now();
         let nodes = self.nodes();
-        let stalled = |node: NodeRef<'_>| {
-            nodes
-                .get(&node.host_id)
-                .is_some_and(|h| h.stalled(now, self.stall_after))
-        };
         let plan = self.inner.fallback(request, cluster);
-        let (mut first, last): (Vec<_>, Vec<_>) = plan.partition(|(node, _)| !stalled(node));
+        if !nodes.values().any(|h| h.stalled(now, self.stall_after)) {
+            // The usual case: the driver's plan as it is, not collected.
+            return plan;
+        }
+        let (mut first, last): (Vec<_>, Vec<_>) =
+            plan.partition(|(node, _)| !self.is_stalled(&nodes, node, now));
         first.extend(last);
         Box::new(first.into_iter())
     }
