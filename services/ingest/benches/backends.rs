@@ -2,13 +2,13 @@
 //! database of `tests/services/services.sh`,
 //! 1. the raw rate of `INSERT … IF NOT EXISTS` against the database alone
 //!    (the ceiling), and of the plain history-row write beside it, and what
-//!    the pipeline's mix of requests allows from those two alone; and, as
-//!    a probe of the design record's next step (docs/decisions.md, "Three
-//!    database writes per message"), the rate of a conditional batch that
-//!    writes a key row and a history row in one partition;
-//! 2. the ingest pipeline's rate of new messages (Redis claim, LWT insert,
-//!    history row, Redis remember) against the same database, and its ratio
-//!    to the ceiling;
+//!    the pipeline's mix of requests allows from those two alone; and the
+//!    rate of the store's conditional batch alone (the key row and the
+//!    history row in one partition, docs/decisions.md "One Paxos round per
+//!    message");
+//! 2. the ingest pipeline's rate of new messages (Redis claim, the
+//!    conditional batch, the global key row, Redis remember) against the
+//!    same database, and its ratio to the ceiling;
 //! 3. the share of in-window repeats answered without a database operation,
 //!    counted by a store wrapper;
 //! 4. Redis memory per remembered ID (used_memory delta / keys).
@@ -21,8 +21,7 @@
 //! BENCH_MEMORY_KEYS (200000), BENCH_WARMUP (5000 through each, unmeasured).
 //! With BENCH_DB_PID (the database's process,
 //! `$(cat /tmp/imdedup-services/cassandra/pid)` with services.sh) it also
-//! prints the database's CPU per raw LWT, plain write, conditional batch
-//! and pipeline message (line 1d).
+//! prints the database's CPU per message, raw and through the pipeline.
 
 use std::{
     sync::{
@@ -257,8 +256,8 @@ async fn main() {
     // a drift of the shared box's speed lands on both alike.
     let _ = raw(format!("warm{run}"), warmup).await;
     let _ = pipeline(format!("pwarm{run}"), warmup).await;
-    // 1b. A plain write of a history row, as the pipeline's pending write
-    // and commit are, same concurrency.
+    // 1b. A plain write of a row, as the pipeline's global key row is,
+    // same concurrency.
     let mut write = session
         .prepare(format!(
             "INSERT INTO {}.messages_by_conversation \
@@ -284,12 +283,11 @@ async fn main() {
     };
     let _ = raw_write(format!("wwarm{run}"), warmup).await;
 
-    // 1c. The design record's next step, probed: the key row and the
-    // history row in one table partitioned by conversation, written by one
-    // conditional batch (one Paxos round). The rows are the same sizes as
-    // the pipeline's; one conversation is never in two batches at once
-    // here (64 in flight over 1,000 conversations, in order), as the
-    // owner's lock guarantees in the design.
+    // 1c. The store's conditional batch alone, on a table of its own: the
+    // key row and the history row in one partition (one Paxos round), the
+    // rows the same sizes as the pipeline's; one conversation is never in
+    // two batches at once here (64 in flight over 1,000 conversations, in
+    // order), as the owner's lock guarantees in the store.
     session
         .query_unpaged(
             format!(
@@ -391,8 +389,8 @@ async fn main() {
         timed(cpu, &mut batch_cpu);
         batch_ratios.push(batch_rate / ceiling);
         // The database's time per message if it did nothing but the
-        // pipeline's requests, each at its raw rate: one LWT, two writes.
-        let mix = 1.0 / (1.0 / ceiling + 2.0 / write_rate);
+        // pipeline's requests, each at its raw rate: one LWT, one write.
+        let mix = 1.0 / (1.0 / ceiling + 1.0 / write_rate);
         println!(
             "   round {}: raw {ceiling:>6.0} inserts/s, pipeline {rate:>6.0} msgs/s, ratio {:.2}; plain writes {write_rate:>6.0}/s, the mix allows {:.2}; conditional batches {batch_rate:>6.0}/s ({:.2})",
             round + 1,
@@ -421,11 +419,10 @@ async fn main() {
     let (write_rate, mix_ratio) = (median(&mut writes), median(&mut mix_ratios));
     let lwt_in_writes = write_rate / median(&mut ceilings);
     println!(
-        "1b. raw plain history-row write:           {write_rate:>9.0} writes/s; an LWT costs the database {lwt_in_writes:.1} plain writes, so 1 LWT + 2 writes per message allow {mix_ratio:.2} of the ceiling at best (median of {rounds} rounds), 1 LWT + 1 write {:.2}",
-        lwt_in_writes / (lwt_in_writes + 1.0),
+        "1b. raw plain row write:                   {write_rate:>9.0} writes/s; an LWT costs the database {lwt_in_writes:.1} plain writes, so 1 LWT + 1 write per message allow {mix_ratio:.2} of the ceiling at best (median of {rounds} rounds)",
     );
     println!(
-        "1c. conditional batch, key + history row in one partition (the design record's next step): {:.2} of the ceiling (median of {rounds} rounds)",
+        "1c. conditional batch alone, key + history row in one partition (the pipeline's LWT): {:.2} of the ceiling (median of {rounds} rounds)",
         median(&mut batch_ratios)
     );
     if [&raw_cpu, &pipeline_cpu, &write_cpu, &batch_cpu]

@@ -3,7 +3,7 @@
 
 use imdedup_domain::{
     Error, ErrorKind,
-    model::{ClientMsgId, ConversationId, MessageKey, Receipt, Sender, StoredMessage},
+    model::{ClientMsgId, ConversationId, Fingerprint, MessageKey, Receipt, Sender, StoredMessage},
 };
 use scylla::{
     DeserializeRow,
@@ -197,28 +197,28 @@ where
     V::deserialize(typ, column.slice).map_err(|e| Error::internal(format!("column {name}: {e}")))
 }
 
-/// The existing row an `INSERT INTO messages_by_key … IF NOT EXISTS` that
-/// did not apply comes back with.
+/// A key row (in its conversation's partition, at a negative `seq`: its
+/// slot) as a conditional batch that did not apply comes back with: whose
+/// key holds the slot, and what it says of that message. Not the body: its
+/// fingerprint tells a resend from another message sent under the ID.
 #[derive(Default)]
-pub(super) struct ExistingKey {
+pub(super) struct ExistingSlot {
     sender: Option<String>,
     client_msg_id: Option<Vec<u8>>,
-    conversation: Option<String>,
-    body: Option<String>,
     server_id: Option<i64>,
-    seq: Option<i64>,
+    key_seq: Option<i64>,
+    fingerprint: Option<i64>,
     stored_at_ms: Option<i64>,
 }
 
-impl LwtColumns for ExistingKey {
+impl LwtColumns for ExistingSlot {
     fn take(&mut self, column: Column<'_, '_>) -> Result<(), Error> {
         match column.spec.name() {
             "sender" => self.sender = value(column)?,
             "client_msg_id" => self.client_msg_id = value(column)?,
-            "conversation" => self.conversation = value(column)?,
-            "body" => self.body = value(column)?,
             "server_id" => self.server_id = value(column)?,
-            "seq" => self.seq = value(column)?,
+            "key_seq" => self.key_seq = value(column)?,
+            "fingerprint" => self.fingerprint = value(column)?,
             "stored_at_ms" => self.stored_at_ms = value(column)?,
             _ => {}
         }
@@ -226,28 +226,51 @@ impl LwtColumns for ExistingKey {
     }
 }
 
-impl ExistingKey {
-    /// The original message, when the reply carried it whole.
-    pub(super) fn into_message(self) -> Result<StoredMessage, Error> {
+/// The message a slot's key row stands for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct SlotHolder {
+    pub(super) key: MessageKey,
+    pub(super) receipt: Receipt,
+    pub(super) fingerprint: Fingerprint,
+    pub(super) stored_at_ms: i64,
+}
+
+impl ExistingSlot {
+    /// What holds the slot, when the reply carried its key row whole.
+    pub(super) fn into_holder(self) -> Result<SlotHolder, Error> {
         match self {
             Self {
                 sender: Some(sender),
                 client_msg_id: Some(id),
-                conversation: Some(conversation),
-                body: Some(body),
                 server_id: Some(server_id),
-                seq: Some(seq),
+                key_seq: Some(seq),
+                fingerprint: Some(fingerprint),
                 stored_at_ms: Some(stored_at_ms),
-            } => stored_message(
-                sender,
-                id,
-                conversation,
-                body,
-                [server_id, seq, stored_at_ms],
-            ),
-            _ => Err(Error::internal("LWT reply without the whole existing row")),
+            } => {
+                let bad = |e: Error| Error::internal(format!("malformed key row: {}", e.message()));
+                Ok(SlotHolder {
+                    key: MessageKey {
+                        sender: Sender::parse(sender).map_err(bad)?,
+                        client_msg_id: ClientMsgId::parse(id).map_err(bad)?,
+                    },
+                    receipt: Receipt {
+                        server_id: u64::try_from(server_id).unwrap_or_default(),
+                        seq: u64::try_from(seq).unwrap_or_default(),
+                    },
+                    fingerprint: Fingerprint(u64::from_le_bytes(fingerprint.to_le_bytes())),
+                    stored_at_ms,
+                })
+            }
+            _ => Err(Error::internal(
+                "conditional batch reply without the whole key row",
+            )),
         }
     }
+}
+
+/// A fingerprint as CQL's signed bigint (the same 64 bits).
+pub(super) fn fingerprint_cell(fingerprint: Fingerprint) -> i64 {
+    i64::from_le_bytes(fingerprint.0.to_le_bytes())
 }
 
 pub(super) fn to_i64(v: u64) -> i64 {
@@ -299,20 +322,23 @@ pub(super) mod tests {
         }))
     }
 
-    fn key_row(seq: i64) -> Vec<Cell> {
+    fn key_row(key_seq: i64) -> Vec<Cell> {
         vec![
-            ("sender", NativeType::Text, text("ana")),
-            ("client_msg_id", NativeType::Blob, Some(b"m1".to_vec())),
             ("conversation", NativeType::Text, text("dm:ana:ben")),
-            ("body", NativeType::Text, text("hi")),
+            ("seq", NativeType::BigInt, big(-17)),
+            ("abandoned", NativeType::Boolean, None),
+            ("body", NativeType::Text, None),
+            ("client_msg_id", NativeType::Blob, Some(b"m1".to_vec())),
+            ("fingerprint", NativeType::BigInt, big(-5)),
+            ("key_seq", NativeType::BigInt, big(key_seq)),
+            ("sender", NativeType::Text, text("ana")),
             ("server_id", NativeType::BigInt, big(7)),
-            ("seq", NativeType::BigInt, big(seq)),
             ("stored_at_ms", NativeType::BigInt, big(1_700_000_000_000)),
         ]
     }
 
     #[test]
-    fn an_insert_that_did_not_apply_gives_the_original_on_either_database() {
+    fn a_batch_that_did_not_apply_gives_the_key_row_on_either_database() {
         // Cassandra: [applied] first, then the existing row.
         let mut cassandra = vec![applied(false)];
         cassandra.extend(key_row(42));
@@ -321,27 +347,28 @@ pub(super) mod tests {
         scylla.reverse();
         scylla.insert(3, applied(false));
         for cells in [cassandra, scylla] {
-            let (applied, existing) = reply::<ExistingKey>(&cells).unwrap();
+            let (applied, existing) = reply::<ExistingSlot>(&cells).unwrap();
             assert!(!applied);
-            let original = existing.into_message().unwrap();
+            let holder = existing.into_holder().unwrap();
             assert_eq!(
-                original.receipt,
+                holder.receipt,
                 Receipt {
                     server_id: 7,
                     seq: 42
                 }
             );
-            assert_eq!(original.key.sender.as_str(), "ana");
-            assert_eq!(original.key.client_msg_id.as_bytes(), b"m1");
-            assert_eq!(original.conversation.as_str(), "dm:ana:ben");
-            assert_eq!(original.body, "hi");
+            assert_eq!(holder.key.sender.as_str(), "ana");
+            assert_eq!(holder.key.client_msg_id.as_bytes(), b"m1");
+            // The bigint's 64 bits, not its value.
+            assert_eq!(holder.fingerprint, Fingerprint(u64::MAX - 4));
+            assert_eq!(fingerprint_cell(holder.fingerprint), -5);
         }
     }
 
     #[test]
-    fn an_insert_that_applied_is_read_from_cassandras_and_scyllas_replies() {
+    fn a_batch_that_applied_is_read_from_cassandras_and_scyllas_replies() {
         // Cassandra: [applied] alone.
-        let (applied_, _) = reply::<ExistingKey>(&[applied(true)]).unwrap();
+        let (applied_, _) = reply::<ExistingSlot>(&[applied(true)]).unwrap();
         assert!(applied_);
         // ScyllaDB: every column, null.
         let mut cells = vec![applied(true)];
@@ -350,30 +377,35 @@ pub(super) mod tests {
                 .into_iter()
                 .map(|(name, typ, _)| (name, typ, None)),
         );
-        let (applied_, existing) = reply::<ExistingKey>(&cells).unwrap();
+        let (applied_, existing) = reply::<ExistingSlot>(&cells).unwrap();
         assert!(applied_);
         assert!(
-            existing.into_message().is_err(),
-            "no original in an applied reply"
+            existing.into_holder().is_err(),
+            "no holder in an applied reply"
         );
     }
 
     #[test]
     fn a_reply_without_applied_or_with_a_wrong_type_is_an_error_not_a_guess() {
-        let e = reply::<ExistingKey>(&key_row(1)).err().unwrap();
+        let e = reply::<ExistingSlot>(&key_row(1)).err().unwrap();
         assert!(e.message().contains("[applied]"), "{e}");
         let mut cells = vec![applied(false)];
         cells.extend(key_row(1));
-        cells[6] = ("seq", NativeType::Text, text("42"));
-        let e = reply::<ExistingKey>(&cells).err().unwrap();
-        assert!(e.message().contains("column seq"), "{e}");
+        cells[7] = ("key_seq", NativeType::Text, text("42"));
+        let e = reply::<ExistingSlot>(&cells).err().unwrap();
+        assert!(e.message().contains("column key_seq"), "{e}");
     }
 
     #[test]
-    fn a_partial_existing_row_is_not_taken_for_the_original() {
+    fn a_partial_key_row_is_not_taken_for_the_holder() {
+        // A history row (no key columns) where a key row was expected.
         let mut cells = vec![applied(false)];
-        cells.extend(key_row(1).into_iter().filter(|(name, ..)| *name != "body"));
-        let (_, existing) = reply::<ExistingKey>(&cells).unwrap();
-        assert!(existing.into_message().is_err());
+        cells.extend(
+            key_row(1)
+                .into_iter()
+                .filter(|(name, ..)| *name != "fingerprint"),
+        );
+        let (_, existing) = reply::<ExistingSlot>(&cells).unwrap();
+        assert!(existing.into_holder().is_err());
     }
 }
