@@ -11,20 +11,20 @@
 //!   row (the *global row*);
 //! - a history row exists only with its key: no row is ever pending, and a
 //!   repeat's seq was never written, so the next message takes it;
-//! - readers never pass a seq that may still appear: one owner writes a
-//!   conversation, one insert at a time, and a Paxos round on a partition
-//!   first finishes the round left in progress there, if a quorum accepted
-//!   it, or supersedes it for good; once seq N+1 is visible, N is visible
-//!   or never will be;
-//! - an insert whose outcome is unknown (a timeout) keeps its seq, and its
-//!   conversation takes no other write for the doubt window (the request
-//!   timeout and the servers' own margin): a batch that has not reached a
-//!   server yet could otherwise apply after a later message and behind a
-//!   reader's cursor. After the window, the next round finishes it, if a
-//!   quorum accepted it, or supersedes it for good; the resend finds the
-//!   key or stores the message. Another process takes a conversation over
-//!   only after the same window (the handover grace), and a process that
-//!   stops lets its conversations go only once its windows have passed.
+//! - readers never pass a seq that may still appear: the batch also moves
+//!   the conversation's `last_seq` (a static cell of the partition) to its
+//!   seq, `IF last_seq` is still the seq its writer saw last. Batches of a
+//!   conversation apply in seq order, each after the one before, so once
+//!   seq N is visible every earlier seq is visible or never will be. A
+//!   batch whose answer was lost (a timeout) may still reach a server
+//!   later, in a coordinator's queue or a paused node; by then a later
+//!   batch has moved `last_seq` on, so its condition is false for good and
+//!   it never applies behind a reader's cursor. It holds across writers
+//!   too: a process that takes a conversation over leases seqs above every
+//!   earlier block.
+//! - what it costs: nothing per message; after an unknown outcome, a
+//!   takeover or a restart the writer does not know `last_seq`, guesses,
+//!   and when wrong its batch is refused with the value (one more round).
 //!
 //! Two keys may hash to one slot: a key row holds its sender and ID, and a
 //! key that finds another's row tries the next slot. Key rows are never
@@ -42,10 +42,8 @@
 
 #[cfg(feature = "testing")]
 use std::sync::Arc;
-use std::{
-    sync::PoisonError,
-    time::{Duration, Instant},
-};
+#[cfg(feature = "testing")]
+use std::time::Duration;
 
 use imdedup_domain::{
     Error,
@@ -56,7 +54,7 @@ use imdedup_domain::{
 use tracing::Instrument;
 
 use super::{
-    Inner, columns,
+    Block, Inner, columns,
     rows::{
         ExistingSlot, HistoryRow, KeyRow, SlotHolder, db_error, fingerprint_cell, lwt,
         maybe_stored, rows, to_i64,
@@ -85,6 +83,29 @@ pub(super) fn slot_hash(key: &MessageKey) -> u64 {
     ])
 }
 
+/// A conversation's `last_seq` as this process last saw it.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum LastSeq {
+    /// Not seen since this process took the conversation, or the last batch
+    /// got no answer.
+    #[default]
+    Unknown,
+    /// Its value (None: never set).
+    Known(Option<u64>),
+}
+
+/// A conversation's seqs as this process hands them out.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Seqs {
+    block: Block,
+    last_seq: LastSeq,
+}
+
+/// Most times one insert learns that `last_seq` moved on since its writer
+/// saw it: after a lost answer or a takeover, once; more only when batches
+/// sent before keep landing.
+const MAX_MOVES: u32 = 4;
+
 /// What the conditional batch found.
 enum Claim {
     /// The key row and the history row are written.
@@ -98,14 +119,7 @@ impl Inner {
         let conversation = message.conversation.as_str().to_owned();
         // One insert at a time per conversation: seqs follow storage order.
         let locked = self.locks.lock(&conversation).await?;
-        if let Some(left) = self.in_doubt_for(&conversation) {
-            return Err(Error::unavailable(format!(
-                "the last write of this conversation is in doubt for {} ms more; retry",
-                left.as_millis()
-            ))
-            .with_retry_after(left));
-        }
-        let seq = self.take_seq(&conversation).await?;
+        let (seq, last_seq) = self.take_seq(&conversation).await?;
         let fingerprint = message.fingerprint();
         let row = StoredMessage {
             receipt: Receipt {
@@ -124,7 +138,17 @@ impl Inner {
             self.commit(&original).await?;
             return Ok(Insert::AlreadyStored(original));
         }
-        let claim = self.claim(&row, fingerprint).await?;
+        let claim = self.claim(&row, fingerprint, last_seq).await;
+        // What the batch left `last_seq` at, as far as this process knows.
+        self.saw(
+            &conversation,
+            match &claim {
+                Ok((Claim::Stored, _)) => LastSeq::Known(Some(seq)),
+                Ok((Claim::Repeat(_), seen)) => LastSeq::Known(*seen),
+                Err(_) => LastSeq::Unknown,
+            },
+        );
+        let (claim, _) = claim?;
         self.options
             .metrics
             .inserted(DB_CASSANDRA, matches!(claim, Claim::Stored));
@@ -149,51 +173,70 @@ impl Inner {
     }
 
     /// The conditional batch, on the key's slots in turn until one is free
-    /// or holds this key.
-    async fn claim(&self, row: &StoredMessage, fingerprint: Fingerprint) -> Result<Claim, Error> {
+    /// or holds this key, and again with the conversation's `last_seq` as
+    /// the database gives it when it moved on since `last_seq` (a guess when
+    /// unknown). Also what `last_seq` is now, when the key was held.
+    async fn claim(
+        &self,
+        row: &StoredMessage,
+        fingerprint: Fingerprint,
+        last_seq: LastSeq,
+    ) -> Result<(Claim, Option<u64>), Error> {
+        let seq = row.receipt.seq;
         let hash = self.slot_hash(&row.key);
-        for probe in 0..MAX_PROBES {
+        let mut expected = match last_seq {
+            LastSeq::Known(value) => value,
+            // The likeliest: the seq before this one, written; none before
+            // a conversation's first.
+            LastSeq::Unknown => seq.checked_sub(1).filter(|before| *before > 0),
+        };
+        let (mut probe, mut moves) = (0, 0);
+        while probe < MAX_PROBES && moves <= MAX_MOVES {
             let key_row = (
                 row.conversation.as_str(),
                 key_slot(hash, probe),
                 row.key.sender.as_str(),
                 row.key.client_msg_id.as_bytes(),
                 to_i64(row.receipt.server_id),
-                to_i64(row.receipt.seq),
+                to_i64(seq),
                 fingerprint_cell(fingerprint),
                 row.stored_at_ms,
             );
-            let sent = Instant::now();
+            let moved_on = (to_i64(seq), row.conversation.as_str(), expected.map(to_i64));
             #[cfg(feature = "testing")]
             if let Some(delay) = self.options.faults.late_batch() {
-                let owned_key = (
-                    key_row.0.to_owned(),
-                    key_row.1,
-                    key_row.2.to_owned(),
-                    key_row.3.to_vec(),
-                    key_row.4,
-                    key_row.5,
-                    key_row.6,
-                    key_row.7,
-                );
                 let (a, b, c, d, e, f, g) = columns(row);
-                let owned_row = (
-                    a.to_owned(),
-                    b.to_vec(),
-                    c.to_owned(),
-                    d.to_owned(),
-                    e,
-                    f,
-                    g,
+                self.send_late(
+                    delay,
+                    (
+                        (
+                            key_row.0.to_owned(),
+                            key_row.1,
+                            key_row.2.to_owned(),
+                            key_row.3.to_vec(),
+                            key_row.4,
+                            key_row.5,
+                            key_row.6,
+                            key_row.7,
+                        ),
+                        (
+                            a.to_owned(),
+                            b.to_vec(),
+                            c.to_owned(),
+                            d.to_owned(),
+                            e,
+                            f,
+                            g,
+                        ),
+                        (moved_on.0, moved_on.1.to_owned(), moved_on.2),
+                    ),
                 );
-                self.send_late(delay, (owned_key, owned_row));
-                self.doubt(row.conversation.as_str(), sent);
                 return Err(maybe_stored("insert", "injected: the batch is late"));
             }
             let reply = self
                 .statements
                 .insert_message
-                .execute(&self.session, (key_row, columns(row)))
+                .execute(&self.session, (key_row, columns(row), moved_on))
                 .instrument(tracing::info_span!(
                     "cassandra.lwt",
                     otel.name = "BATCH messages_by_conversation",
@@ -203,35 +246,55 @@ impl Inner {
                     db.name = %self.options.keyspace,
                     db.cassandra.table = "messages_by_conversation",
                 ))
-                .await;
-            // Unknown outcome: the seq stays spent, and the conversation
-            // waits out the doubt window.
-            let reply = match reply {
-                Ok(reply) => reply,
-                Err(e) => {
-                    self.doubt(row.conversation.as_str(), sent);
-                    return Err(maybe_stored("insert", e));
-                }
-            };
+                .await
+                // Unknown outcome: the seq stays spent. If the batch reaches
+                // a server later, it applies only if nothing was written
+                // after it.
+                .map_err(|e| maybe_stored("insert", e))?;
             let (applied, existing) = lwt::<ExistingSlot>(reply)?;
             if applied {
-                return Ok(Claim::Stored);
+                return Ok((Claim::Stored, Some(seq)));
             }
-            let holder = existing.into_holder()?;
+            let (now, holder) = existing.into_parts();
+            let Some(holder) = holder else {
+                // The slot is free: `last_seq` is not what this process saw.
+                if now == expected {
+                    return Err(Error::internal(format!(
+                        "a batch of {} was refused with its conditions true",
+                        row.conversation.as_str()
+                    )));
+                }
+                if now.is_some_and(|now| now >= seq) {
+                    // Written past this block: another process holds the
+                    // conversation now.
+                    self.seq_blocks.invalidate(row.conversation.as_str());
+                    return Err(Error::unavailable(format!(
+                        "conversation {} was written past seq {seq} by another writer; retry",
+                        row.conversation.as_str()
+                    )));
+                }
+                expected = now;
+                moves += 1;
+                continue;
+            };
+            let holder = holder?;
             if holder.key != row.key {
                 // Another key's slot.
+                expected = now;
+                probe += 1;
                 continue;
             }
             if holder.receipt == row.receipt {
                 // This very batch, sent twice (the driver's speculative
                 // execution): the copy answered second found the first's
                 // rows. A server id is never handed out twice.
-                return Ok(Claim::Stored);
+                return Ok((Claim::Stored, Some(seq)));
             }
-            return Ok(Claim::Repeat(holder));
+            return Ok((Claim::Repeat(holder), now));
         }
         Err(Error::internal(format!(
-            "no free key slot for a message of {} in {MAX_PROBES} tries",
+            "no free key slot for a message of {} in {probe} tries, \
+             or its last seq moved on {moves} times",
             row.conversation.as_str()
         )))
     }
@@ -320,63 +383,39 @@ impl Inner {
     }
 
     /// The next seq of `conversation`, leasing a block (as its owner) when
-    /// needed. Reserved now: whatever happens next, it is never handed out
-    /// twice.
-    async fn take_seq(&self, conversation: &str) -> Result<u64, Error> {
+    /// needed, and its `last_seq` as this process last saw it. Reserved
+    /// now: whatever happens next, it is never handed out twice.
+    async fn take_seq(&self, conversation: &str) -> Result<(u64, LastSeq), Error> {
         // Writes start only while this process's membership holds.
         let epoch = self.member.writable()?;
-        let cached = self.seq_blocks.get(conversation).unwrap_or_default();
-        let mut seqs = cached;
-        if seqs.epoch != epoch || seqs.next >= seqs.end {
-            seqs = self
-                .lease_seqs(conversation, Some(cached.end), epoch)
+        let mut seqs = self.seq_blocks.get(conversation).unwrap_or_default();
+        if seqs.block.epoch != epoch || seqs.block.next >= seqs.block.end {
+            seqs.block = self
+                .lease_seqs(conversation, Some(seqs.block.end), epoch)
                 .await?;
         }
-        let seq = seqs.next;
-        seqs.next += 1;
+        let seq = seqs.block.next;
+        seqs.block.next += 1;
         self.seq_blocks.insert(conversation.to_owned(), seqs);
-        Ok(seq)
+        Ok((seq, seqs.last_seq))
     }
 
     /// Hand `seq` out again: nothing was written at it.
     fn give_back(&self, conversation: &str, seq: u64) {
-        if let Some(mut block) = self.seq_blocks.get(conversation)
-            && block.next == seq + 1
+        if let Some(mut seqs) = self.seq_blocks.get(conversation)
+            && seqs.block.next == seq + 1
         {
-            block.next = seq;
-            self.seq_blocks.insert(conversation.to_owned(), block);
+            seqs.block.next = seq;
+            self.seq_blocks.insert(conversation.to_owned(), seqs);
         }
     }
 
-    /// A batch of `conversation` sent at `sent` got no answer: no other
-    /// write of it until the doubt window has passed.
-    fn doubt(&self, conversation: &str, sent: Instant) {
-        let until = sent + self.options.doubt_window();
-        let mut doubts = self.doubts.lock().unwrap_or_else(PoisonError::into_inner);
-        if doubts.len() >= 1024 {
-            let now = Instant::now();
-            doubts.retain(|_, until| *until > now);
+    /// Remember `conversation`'s `last_seq` (while its block is cached).
+    fn saw(&self, conversation: &str, last_seq: LastSeq) {
+        if let Some(mut seqs) = self.seq_blocks.get(conversation) {
+            seqs.last_seq = last_seq;
+            self.seq_blocks.insert(conversation.to_owned(), seqs);
         }
-        doubts.insert(conversation.to_owned(), until);
-    }
-
-    /// How long `conversation` is still in doubt, if it is.
-    fn in_doubt_for(&self, conversation: &str) -> Option<Duration> {
-        let mut doubts = self.doubts.lock().unwrap_or_else(PoisonError::into_inner);
-        let left = doubts
-            .get(conversation)?
-            .checked_duration_since(Instant::now());
-        if left.is_none() {
-            doubts.remove(conversation);
-        }
-        left
-    }
-
-    /// When the last doubt window of this process ends (now if none is
-    /// open): its conversations may go to another process after that.
-    pub(super) fn doubts_end(&self) -> Instant {
-        let doubts = self.doubts.lock().unwrap_or_else(PoisonError::into_inner);
-        doubts.values().copied().max().unwrap_or_else(Instant::now)
     }
 
     /// The fault of a late batch: sent after `delay`, its answer ignored.

@@ -75,7 +75,8 @@ use requests::{Counted, CountedBatch};
 use rows::{KeyRow, db_error, rows, to_i64};
 
 struct Statements {
-    /// The key row `IF NOT EXISTS` and the history row, in one round.
+    /// The key row `IF NOT EXISTS`, the history row and the conversation's
+    /// `last_seq` `IF` it is still the one seen last, in one round.
     insert_message: CountedBatch,
     insert_global: Counted,
     history_row: Counted,
@@ -115,19 +116,17 @@ struct Inner {
     options: ScyllaOptions,
     /// One insert at a time per conversation, with a bounded queue.
     locks: LockTable,
-    /// The seq block each conversation is using. Evicting one is harmless:
-    /// it is read and written back under the conversation's lock, and a
-    /// block forgotten leaves a gap, never a seq handed out twice.
-    seq_blocks: moka::sync::Cache<String, Block>,
+    /// The seq block each conversation is using, and its `last_seq` as this
+    /// process last saw it. Evicting one is harmless: it is read and
+    /// written back under the conversation's lock, a block forgotten leaves
+    /// a gap, never a seq handed out twice, and a `last_seq` forgotten costs
+    /// one more round.
+    seq_blocks: moka::sync::Cache<String, insert::Seqs>,
     /// This process as a writer: owner of the conversations it leases.
     member: Arc<Membership>,
     /// Until when (Unix ms) inserts also check the key table of the layout
     /// before keys were kept per conversation; 0 on a keyspace made after.
     legacy_keys_until_ms: i64,
-    /// Conversations whose last batch got no answer, until when they take
-    /// no other write (`insert`). A map rather than a cache: an entry must
-    /// not be evicted while its window is open.
-    doubts: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
     server_ids: Mutex<Block>,
     /// Inserts running in their own tasks, waited for by `drain`.
     running: TaskTracker,
@@ -221,11 +220,21 @@ impl ScyllaStore {
                 ))
                 .await
                 .map_err(|e| db_error("prepare", e))?;
-            // The key row first: the batch is routed by its partition, and
-            // ScyllaDB's reply lists the statements' rows in their order.
+            // The conversation's last seq moves to this message's, only
+            // from the one its writer saw last: batches apply in seq order,
+            // and one that reaches a server late never applies.
+            let last_seq = session
+                .prepare(format!(
+                    "UPDATE {ks}.messages_by_conversation SET last_seq = ? \
+                     WHERE conversation = ? IF last_seq = ?"
+                ))
+                .await
+                .map_err(|e| db_error("prepare", e))?;
+            // The key row first: the batch is routed by its partition.
             let mut batch = Batch::new(BatchType::Unlogged);
             batch.append_statement(key_row);
             batch.append_statement(history_row);
+            batch.append_statement(last_seq);
             batch.set_consistency(options.consistency);
             batch.set_serial_consistency(Some(options.serial_consistency));
             batch.set_request_timeout(Some(options.request_timeout));
@@ -330,7 +339,6 @@ impl ScyllaStore {
                 server_ids: Mutex::new(Block::default()),
                 member,
                 legacy_keys_until_ms,
-                doubts: std::sync::Mutex::default(),
                 running: TaskTracker::new(),
                 options,
             }),
@@ -458,9 +466,6 @@ impl MessageStore for ScyllaStore {
     async fn drain(&self) {
         self.inner.running.close();
         self.inner.running.wait().await;
-        // A batch that got no answer may still reach a server until its
-        // window ends.
-        tokio::time::sleep_until(self.inner.doubts_end().into()).await;
         // Every write of ours has ended: others may take our conversations.
         self.inner.member.relinquish().await;
     }

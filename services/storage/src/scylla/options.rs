@@ -97,17 +97,11 @@ impl ScyllaOptions {
     }
 
     /// How long after another process's last heartbeat ran out its
-    /// conversations may be taken: its last writes have landed or failed,
-    /// and none of its batches can still start on a server.
+    /// conversations may be taken: its last writes have landed or failed.
+    /// (A batch of its that reaches a server later still cannot land behind
+    /// a newer message: its `last_seq` condition is false for good.)
     pub fn handover_grace(&self) -> Duration {
-        self.doubt_window() + self.clock_skew
-    }
-
-    /// How long after it was sent a batch whose answer never came may still
-    /// start on a server: until then its conversation takes no other write,
-    /// so no later message can be visible before it.
-    pub fn doubt_window(&self) -> Duration {
-        self.request_timeout + LWT_SERVER_MARGIN
+        self.request_timeout + self.clock_skew
     }
 
     /// Refuse timings under which a fence would not hold.

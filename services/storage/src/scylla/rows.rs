@@ -137,29 +137,58 @@ fn stored_message(
 /// database and outcome: Cassandra sends none when applied and, when not,
 /// the existing row (`IF NOT EXISTS`) or the condition's columns (`IF x =
 /// ?`); ScyllaDB sends every column, null when applied. So each reply type
-/// takes the columns it knows by name, typed, and ignores the others.
+/// takes the columns it knows by name, typed, and ignores the others. A
+/// conditional batch's reply may have several rows (ScyllaDB: one per
+/// conditional statement, in their order; Cassandra: one per row its
+/// conditions read, in clustering order): their columns are taken in turn,
+/// so a type read from a batch keeps the values that are not null.
 pub(super) trait LwtColumns: Default {
     fn take(&mut self, column: Column<'_, '_>) -> Result<(), Error>;
 }
 
-/// Read an LWT reply: whether it was applied, and what it carried.
+/// Read an LWT reply: whether it was applied, and what its rows carried.
 pub(super) fn lwt<T: LwtColumns>(result: QueryResult) -> Result<(bool, T), Error> {
     let rows = result
         .into_rows_result()
         .map_err(|e| db_error("result", e))?;
-    let row = rows
+    let rows = rows
         .rows::<ColumnIterator>()
         .map_err(|e| db_error("result", e))?
+        .map(|row| {
+            let row = row.map_err(|e| db_error("row", e))?;
+            Ok::<_, Error>(row.map(|column| {
+                let column = column.map_err(|e| db_error("row", e))?;
+                Ok(Column {
+                    spec: column.spec,
+                    slice: column.slice,
+                })
+            }))
+        });
+    lwt_rows(rows)
+}
+
+/// An LWT reply's rows, their columns taken in turn.
+fn lwt_rows<'frame, 'metadata, T, R>(
+    mut rows: impl Iterator<Item = Result<R, Error>>,
+) -> Result<(bool, T), Error>
+where
+    T: LwtColumns,
+    R: IntoIterator<Item = Result<Column<'frame, 'metadata>, Error>>,
+{
+    let first = rows
         .next()
-        .ok_or_else(|| Error::internal("LWT reply without a row"))?
-        .map_err(|e| db_error("row", e))?;
-    lwt_columns(row.map(|column| {
-        let column = column.map_err(|e| db_error("row", e))?;
-        Ok(Column {
-            spec: column.spec,
-            slice: column.slice,
-        })
-    }))
+        .ok_or_else(|| Error::internal("LWT reply without a row"))??;
+    let (applied, mut columns) = lwt_columns(first, T::default())?;
+    for row in rows {
+        let (also, more) = lwt_columns(row?, columns)?;
+        if also != applied {
+            return Err(Error::internal(
+                "LWT reply whose rows disagree on [applied]",
+            ));
+        }
+        columns = more;
+    }
+    Ok((applied, columns))
 }
 
 /// A column of a reply's row: its name and type, and its value (None: null).
@@ -168,12 +197,12 @@ pub(super) struct Column<'frame, 'metadata> {
     pub(super) slice: Option<FrameSlice<'frame>>,
 }
 
-/// An LWT reply's row, column by column.
+/// An LWT reply's row, column by column, into `columns`.
 fn lwt_columns<'frame, 'metadata, T: LwtColumns>(
     row: impl IntoIterator<Item = Result<Column<'frame, 'metadata>, Error>>,
+    mut columns: T,
 ) -> Result<(bool, T), Error> {
     let mut applied = None;
-    let mut columns = T::default();
     for column in row {
         let column = column?;
         if column.spec.name() == "[applied]" {
@@ -197,10 +226,12 @@ where
     V::deserialize(typ, column.slice).map_err(|e| Error::internal(format!("column {name}: {e}")))
 }
 
-/// A key row (in its conversation's partition, at a negative `seq`: its
-/// slot) as a conditional batch that did not apply comes back with: whose
-/// key holds the slot, and what it says of that message. Not the body: its
-/// fingerprint tells a resend from another message sent under the ID.
+/// What a conditional batch that did not apply comes back with: the key
+/// row (in its conversation's partition, at a negative `seq`: its slot),
+/// when the slot is held — whose key, and what it says of that message (not
+/// the body: its fingerprint tells a resend from another message sent
+/// under the ID) — and the conversation's `last_seq` (a static cell, so on
+/// every row of the partition; absent or null when never set).
 #[derive(Default)]
 pub(super) struct ExistingSlot {
     sender: Option<String>,
@@ -209,17 +240,25 @@ pub(super) struct ExistingSlot {
     key_seq: Option<i64>,
     fingerprint: Option<i64>,
     stored_at_ms: Option<i64>,
+    last_seq: Option<i64>,
 }
 
 impl LwtColumns for ExistingSlot {
     fn take(&mut self, column: Column<'_, '_>) -> Result<(), Error> {
+        // A later row's null never hides an earlier row's value.
+        fn keep<T>(cell: &mut Option<T>, new: Option<T>) {
+            if new.is_some() {
+                *cell = new;
+            }
+        }
         match column.spec.name() {
-            "sender" => self.sender = value(column)?,
-            "client_msg_id" => self.client_msg_id = value(column)?,
-            "server_id" => self.server_id = value(column)?,
-            "key_seq" => self.key_seq = value(column)?,
-            "fingerprint" => self.fingerprint = value(column)?,
-            "stored_at_ms" => self.stored_at_ms = value(column)?,
+            "sender" => keep(&mut self.sender, value(column)?),
+            "client_msg_id" => keep(&mut self.client_msg_id, value(column)?),
+            "server_id" => keep(&mut self.server_id, value(column)?),
+            "key_seq" => keep(&mut self.key_seq, value(column)?),
+            "fingerprint" => keep(&mut self.fingerprint, value(column)?),
+            "stored_at_ms" => keep(&mut self.stored_at_ms, value(column)?),
+            "last_seq" => keep(&mut self.last_seq, value(column)?),
             _ => {}
         }
         Ok(())
@@ -236,6 +275,15 @@ pub(super) struct SlotHolder {
 }
 
 impl ExistingSlot {
+    /// The conversation's `last_seq` as the refused batch found it (None:
+    /// never set), and what holds the key's slot if the reply carried a key
+    /// row (an error if only part of one).
+    pub(super) fn into_parts(self) -> (Option<u64>, Option<Result<SlotHolder, Error>>) {
+        let last_seq = self.last_seq.and_then(|seq| u64::try_from(seq).ok());
+        let holder = self.key_seq.is_some().then(|| self.into_holder());
+        (last_seq, holder)
+    }
+
     /// What holds the slot, when the reply carried its key row whole.
     pub(super) fn into_holder(self) -> Result<SlotHolder, Error> {
         match self {
@@ -246,6 +294,7 @@ impl ExistingSlot {
                 key_seq: Some(seq),
                 fingerprint: Some(fingerprint),
                 stored_at_ms: Some(stored_at_ms),
+                last_seq: _,
             } => {
                 let bad = |e: Error| Error::internal(format!("malformed key row: {}", e.message()));
                 Ok(SlotHolder {
@@ -304,21 +353,33 @@ pub(super) mod tests {
 
     /// Read `cells` as an LWT reply's row.
     pub(in crate::scylla) fn reply<T: LwtColumns>(cells: &[Cell]) -> Result<(bool, T), Error> {
-        let specs: Vec<ColumnSpec<'_>> = cells
+        replies(&[cells])
+    }
+
+    /// Read `rows` as an LWT reply's rows.
+    pub(in crate::scylla) fn replies<T: LwtColumns>(rows: &[&[Cell]]) -> Result<(bool, T), Error> {
+        let specs: Vec<Vec<ColumnSpec<'_>>> = rows
             .iter()
-            .map(|(name, typ, _)| {
-                ColumnSpec::borrowed(
-                    name,
-                    ColumnType::Native(typ.clone()),
-                    TableSpec::borrowed("ks", "t"),
-                )
+            .map(|cells| {
+                cells
+                    .iter()
+                    .map(|(name, typ, _)| {
+                        ColumnSpec::borrowed(
+                            name,
+                            ColumnType::Native(typ.clone()),
+                            TableSpec::borrowed("ks", "t"),
+                        )
+                    })
+                    .collect()
             })
             .collect();
-        lwt_columns(cells.iter().zip(&specs).map(|((_, _, cell), spec)| {
-            Ok(Column {
-                spec,
-                slice: cell.as_deref().map(FrameSlice::new_borrowed),
-            })
+        lwt_rows(rows.iter().zip(&specs).map(|(cells, specs)| {
+            Ok(cells.iter().zip(specs).map(|((_, _, cell), spec)| {
+                Ok(Column {
+                    spec,
+                    slice: cell.as_deref().map(FrameSlice::new_borrowed),
+                })
+            }))
         }))
     }
 
@@ -363,6 +424,83 @@ pub(super) mod tests {
             assert_eq!(holder.fingerprint, Fingerprint(u64::MAX - 4));
             assert_eq!(fingerprint_cell(holder.fingerprint), -5);
         }
+    }
+
+    /// The static row as a refused batch gives it: the partition's
+    /// `last_seq` (None: null), no clustering row.
+    fn static_row(last_seq: Option<i64>) -> Vec<Cell> {
+        vec![
+            applied(false),
+            ("conversation", NativeType::Text, text("dm:ana:ben")),
+            ("seq", NativeType::BigInt, None),
+            ("last_seq", NativeType::BigInt, last_seq.and_then(big)),
+            ("sender", NativeType::Text, None),
+            ("key_seq", NativeType::BigInt, None),
+        ]
+    }
+
+    #[test]
+    fn a_batch_refused_on_a_held_key_gives_the_key_row_and_last_seq_on_either_database() {
+        // Cassandra (as 5.0.9 answers): one row, the key row with the
+        // partition's static cell.
+        let mut cassandra = vec![applied(false)];
+        cassandra.extend(key_row(42));
+        cassandra.push(("last_seq", NativeType::BigInt, big(57)));
+        // ScyllaDB: a row per conditional statement, in their order (the
+        // key row, then the `last_seq` update's static row).
+        let mut scylla_key = key_row(42);
+        scylla_key.insert(0, applied(false));
+        scylla_key.push(("last_seq", NativeType::BigInt, big(57)));
+        let scylla_static = static_row(Some(57));
+        for rows in [
+            vec![&cassandra[..]],
+            vec![&scylla_key[..], &scylla_static[..]],
+        ] {
+            let (applied, existing) = replies::<ExistingSlot>(&rows).unwrap();
+            assert!(!applied);
+            let (last_seq, holder) = existing.into_parts();
+            assert_eq!(last_seq, Some(57));
+            let holder = holder.expect("a key row").unwrap();
+            assert_eq!(holder.receipt.seq, 42);
+            assert_eq!(holder.key.sender.as_str(), "ana");
+        }
+    }
+
+    #[test]
+    fn a_batch_refused_on_last_seq_alone_gives_its_value_on_either_database() {
+        // Cassandra: the static row alone; with `last_seq` null, [applied]
+        // alone.
+        // ScyllaDB: the key row's old version (all null: no row), then the
+        // static row.
+        let null_key: Vec<Cell> = std::iter::once(applied(false))
+            .chain(
+                key_row(1)
+                    .into_iter()
+                    .map(|(name, typ, _)| (name, typ, None)),
+            )
+            .collect();
+        for (want, rows) in [
+            (Some(9), vec![&static_row(Some(9))[..]]),
+            (None, vec![&[applied(false)][..]]),
+            (Some(9), vec![&null_key[..], &static_row(Some(9))[..]]),
+            (None, vec![&null_key[..], &static_row(None)[..]]),
+        ] {
+            let (applied, existing) = replies::<ExistingSlot>(&rows).unwrap();
+            assert!(!applied);
+            let (last_seq, holder) = existing.into_parts();
+            assert_eq!(last_seq, want);
+            assert!(holder.is_none(), "no key row in this reply");
+        }
+    }
+
+    #[test]
+    fn a_reply_whose_rows_disagree_on_applied_is_an_error() {
+        let mut second = static_row(Some(3));
+        second[0] = applied(true);
+        let e = replies::<ExistingSlot>(&[&static_row(Some(3)), &second])
+            .err()
+            .unwrap();
+        assert!(e.message().contains("disagree"), "{e}");
     }
 
     #[test]

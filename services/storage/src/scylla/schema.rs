@@ -104,6 +104,9 @@ pub async fn migrate(session: &Session, options: &ScyllaOptions) -> Result<(), E
             ("abandoned", "boolean"),
             ("key_seq", "bigint"),
             ("fingerprint", "bigint"),
+            // The seq of the conversation's last message, which each
+            // insert's batch moves on under a condition.
+            ("last_seq", "bigint static"),
         ],
     )
     .await?;

@@ -71,9 +71,10 @@ async fn a_message_answered_maybe_stored_is_readable_in_order_and_its_resend_get
     assert_eq!(store.history(&history("c", 0)).await.unwrap(), rows);
 }
 
-/// A batch whose answer never came may still reach a server later: its
-/// conversation takes no other write until it can no longer apply, so it
-/// never lands behind a later message that a follower has read past.
+/// A batch whose answer never came may still reach a server later. It
+/// lands only if nothing was written after it (the conversation's
+/// `last_seq` condition): before the next message, it is kept in order;
+/// after it, never, so it cannot appear behind a follower's cursor.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_that_reaches_the_database_late_never_lands_behind_a_later_message() {
     let Some(options) = scylla_options() else {
@@ -82,40 +83,55 @@ async fn a_batch_that_reaches_the_database_late_never_lands_behind_a_later_messa
     let options = quick(options, "ingest-0");
     let faults = options.faults.clone();
     let store = ScyllaStore::open(options.clone()).await.unwrap();
-    // A's batch gets no answer; it reaches the database a second later.
+    let bodies = |rows: &[StoredMessage]| rows.iter().map(|r| r.body.clone()).collect::<Vec<_>>();
+
+    // Late past the next message: A's batch gets no answer and reaches the
+    // database a second later, after B was stored at once.
     faults.delay_next_batch(Duration::from_secs(1));
     let err = store
-        .insert_once(message("ana", "a", "c", "A"))
+        .insert_once(message("ana", "a", "c1", "A"))
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::MaybeStored, "{err}");
-    // B, sent at once, is refused until A's batch can no longer start:
-    // stored now, it could be read before A appears behind it.
-    let err = store
-        .insert_once(message("ben", "b", "c", "B"))
-        .await
-        .unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
-    assert!(err.retryable());
-    let wait = err
-        .retry_after()
-        .expect("the refusal says when to come back");
-    assert!(wait <= options.doubt_window(), "{wait:?}");
-    tokio::time::sleep(wait).await;
     let b = store
-        .insert_once(message("ben", "b", "c", "B"))
+        .insert_once(message("ben", "b", "c1", "B"))
         .await
         .unwrap();
-    let rows = store.history(&history("c", 0)).await.unwrap();
+    let read = store.history(&history("c1", 0)).await.unwrap();
+    assert_eq!(bodies(&read), ["B"]);
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
     assert_eq!(
-        rows.iter().map(|r| r.body.as_str()).collect::<Vec<_>>(),
-        ["A", "B"],
-        "A landed before B was stored"
+        store.history(&history("c1", 0)).await.unwrap(),
+        read,
+        "A's late batch did not land behind B, which a follower has read"
     );
-    assert_eq!(rows[1], *b.message());
-    // A's resend gets the receipt its late batch stored.
+    // A's resend stores it, after B.
     let a = store
-        .insert_once(message("ana", "a", "c", "A"))
+        .insert_once(message("ana", "a", "c1", "A"))
+        .await
+        .unwrap();
+    assert!(matches!(a, Insert::Stored(_)), "{a:?}");
+    assert!(a.message().receipt.seq > b.message().receipt.seq);
+    let rows = store.history(&history("c1", 0)).await.unwrap();
+    assert_eq!(bodies(&rows), ["B", "A"]);
+
+    // Late but before the next message: it lands, in order, and its
+    // resend gets the receipt it was stored with.
+    faults.delay_next_batch(Duration::from_millis(100));
+    store
+        .insert_once(message("ana", "a", "c2", "A"))
+        .await
+        .unwrap_err();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let b = store
+        .insert_once(message("ben", "b", "c2", "B"))
+        .await
+        .unwrap();
+    let rows = store.history(&history("c2", 0)).await.unwrap();
+    assert_eq!(bodies(&rows), ["A", "B"]);
+    assert_eq!(rows[1], *b.message());
+    let a = store
+        .insert_once(message("ana", "a", "c2", "A"))
         .await
         .unwrap();
     assert_eq!(a, Insert::AlreadyStored(rows[0].clone()));
