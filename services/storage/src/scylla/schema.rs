@@ -70,6 +70,7 @@ pub async fn migrate(session: &Session, options: &ScyllaOptions) -> Result<(), E
                 conversation text, seq bigint,
                 sender text, client_msg_id blob, server_id bigint, body text, stored_at_ms bigint,
                 pending boolean, committed boolean, abandoned boolean,
+                last_seq bigint static,
                 PRIMARY KEY ((conversation), seq))
              WITH CLUSTERING ORDER BY (seq ASC)"
         ),
