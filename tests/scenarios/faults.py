@@ -207,7 +207,7 @@ def scenarios(cluster: Cluster, duration: float):
     if getattr(cluster.args, "redis_cluster", False):
         return redis_failover(cluster, duration)
     return {
-        "last-write-failing": ({"IMDEDUP_FAULT_COMMIT_FAILURES": "0.05"}, lambda: None),
+        "history-write-failing": ({"IMDEDUP_FAULT_COMMIT_FAILURES": "0.05"}, lambda: None),
         "ingest-sigkill": ({}, sigkill),
         "rolling-restart": ({}, rolling),
         "shards-2-3-2": ({}, reshard),
@@ -425,7 +425,7 @@ def main() -> int:
                    + a["seq_order_violations"] + a["ack_mismatches"])
             ok &= bad == 0 and a["delivered_to_followers"] > 0
             what = ", ".join(cluster.notes) or (
-                "5% of stored messages' last write fails" if name == "last-write-failing" else "no fault")
+                "5% of publishing writes fail" if name == "history-write-failing" else "no fault")
             print(f"{name:<24} {a['messages']:>8} {a['lost']:>5} {a['repeats']:>7} "
                   f"{a['missed_by_followers']:>6} {reordered:>9} {a['seq_order_violations']:>8} "
                   f"{a['failed']:>6}  {what}{'' if bad == 0 else '  FAIL'}", flush=True)

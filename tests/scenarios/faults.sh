@@ -6,10 +6,9 @@
 # Four scenarios, each on a cluster of its own (storage, two ingest shards
 # writing to Cassandra themselves, a gateway; separate processes on
 # loopback), with `imdedup-load steady` driving the gateway:
-#   last-write-failing     5% of stored messages' last write (the global key row) fails
-#                          (the ingest's hidden fault knob): the message is
-#                          stored and readable, the phone is answered
-#                          maybe_stored and its resend writes the row
+#   history-write-failing  5% of the writes that publish a stored message fail
+#                          (the ingest's hidden fault knob), so rows stay
+#                          pending until the phone's resend settles them
 #   ingest-sigkill         ingest-1 is SIGKILLed mid-run and restarted
 #   rolling-restart        storage, each ingest and the gateway restarted in turn
 #   shards-2-3-2           the shard map goes 2 -> 3 -> 2 while sending

@@ -173,12 +173,6 @@ pub struct ScyllaArgs {
     /// readers of that conversation stop before it.
     #[arg(long, env = "IMDEDUP_SCYLLA_PENDING_FENCE", default_value = "30s", value_parser = duration)]
     pub scylla_pending_fence: Duration,
-    /// On a keyspace made before keys were kept per conversation, how long
-    /// after the upgrade new messages are also checked against the old key
-    /// table (one serial read each), so a resend of a message stored before
-    /// the upgrade is still recognised. Longer than phones keep resending.
-    #[arg(long, env = "IMDEDUP_SCYLLA_LEGACY_KEY_HORIZON", default_value = "7d", value_parser = duration)]
-    pub scylla_legacy_key_horizon: Duration,
 }
 
 impl ScyllaArgs {
@@ -209,7 +203,6 @@ impl ScyllaArgs {
         options.member_ttl = self.scylla_member_ttl;
         options.clock_skew = self.scylla_clock_skew;
         options.pending_fence = self.scylla_pending_fence;
-        options.legacy_key_horizon = self.scylla_legacy_key_horizon;
         options.check()?;
         Ok(Some(options))
     }

@@ -2,13 +2,14 @@
 //! database of `tests/services/services.sh`,
 //! 1. the raw rate of `INSERT … IF NOT EXISTS` against the database alone
 //!    (the ceiling), and of the plain history-row write beside it, and what
-//!    the pipeline's mix of requests allows from those two alone; and the
-//!    rate of the store's conditional batch alone (the key row and the
-//!    history row in one partition, docs/decisions.md "One Paxos round per
-//!    message");
-//! 2. the ingest pipeline's rate of new messages (Redis claim, the
-//!    conditional batch, the global key row, Redis remember) against the
-//!    same database, and its ratio to the ceiling;
+//!    the pipeline's mix of requests allows from those two alone; and, as
+//!    a probe of the one-round design the record weighs (docs/decisions.md,
+//!    "Three database writes per message"), the rate of a conditional batch
+//!    that writes a key row and a history row in one partition and moves
+//!    the partition's static last seq on under a condition;
+//! 2. the ingest pipeline's rate of new messages (Redis claim, LWT insert,
+//!    history row, Redis remember) against the same database, and its ratio
+//!    to the ceiling;
 //! 3. the share of in-window repeats answered without a database operation,
 //!    counted by a store wrapper;
 //! 4. Redis memory per remembered ID (used_memory delta / keys).
@@ -21,7 +22,8 @@
 //! BENCH_MEMORY_KEYS (200000), BENCH_WARMUP (5000 through each, unmeasured).
 //! With BENCH_DB_PID (the database's process,
 //! `$(cat /tmp/imdedup-services/cassandra/pid)` with services.sh) it also
-//! prints the database's CPU per message, raw and through the pipeline.
+//! prints the database's CPU per raw LWT, plain write, conditional batch
+//! and pipeline message (line 1d).
 
 use std::{
     sync::{
@@ -256,8 +258,8 @@ async fn main() {
     // a drift of the shared box's speed lands on both alike.
     let _ = raw(format!("warm{run}"), warmup).await;
     let _ = pipeline(format!("pwarm{run}"), warmup).await;
-    // 1b. A plain write of a row, as the pipeline's global key row is,
-    // same concurrency.
+    // 1b. A plain write of a history row, as the pipeline's pending write
+    // and commit are, same concurrency.
     let mut write = session
         .prepare(format!(
             "INSERT INTO {}.messages_by_conversation \
@@ -283,17 +285,22 @@ async fn main() {
     };
     let _ = raw_write(format!("wwarm{run}"), warmup).await;
 
-    // 1c. The store's conditional batch alone, on a table of its own: the
-    // key row and the history row in one partition (one Paxos round), the
-    // rows the same sizes as the pipeline's; one conversation is never in
-    // two batches at once here (64 in flight over 1,000 conversations, in
-    // order), as the owner's lock guarantees in the store.
+    // 1c. The one-round design the record weighs, probed: the key row and
+    // the history row in one table partitioned by conversation, and the
+    // partition's static `last` moved on under a condition (which keeps
+    // batches in seq order), written by one conditional batch (one Paxos
+    // round). The rows are the same sizes as the pipeline's; one
+    // conversation is never in two batches at once here (64 in flight over
+    // 1,000 conversations of the step's own, in order), as the owner's lock
+    // guarantees in the design, so message i's condition is i - 1000 (none
+    // before the first).
     session
         .query_unpaged(
             format!(
                 "CREATE TABLE IF NOT EXISTS {}.probe_log (conversation text, kind tinyint, \
                  pos bigint, sender text, client_msg_id blob, body text, server_id bigint, \
-                 stored_at_ms bigint, PRIMARY KEY ((conversation), kind, pos, sender, client_msg_id))",
+                 stored_at_ms bigint, last bigint static, \
+                 PRIMARY KEY ((conversation), kind, pos, sender, client_msg_id))",
                 options.keyspace
             ),
             (),
@@ -310,21 +317,32 @@ async fn main() {
         .await
         .unwrap();
     let history_row = session.prepare(probe_row).await.unwrap();
+    let moved_on = session
+        .prepare(format!(
+            "UPDATE {}.probe_log SET last = ? WHERE conversation = ? IF last = ?",
+            options.keyspace
+        ))
+        .await
+        .unwrap();
     let mut batch = Batch::new(BatchType::Unlogged);
     batch.append_statement(key_row);
     batch.append_statement(history_row);
+    batch.append_statement(moved_on);
     batch.set_consistency(options.consistency);
     batch.set_serial_consistency(Some(options.serial_consistency));
     let raw_batch = |prefix: String, count: usize| {
         let (session, batch) = (&session, &batch);
         per_second(count, concurrency, move |i| {
             let m = message(&prefix, i, 1000);
+            let conversation = format!("{prefix}{}", m.conversation.as_str());
             async move {
-                let (conversation, sender) = (m.conversation.as_str(), m.key.sender.as_str());
+                let (conversation, sender) = (conversation.as_str(), m.key.sender.as_str());
                 let (id, body, n) = (m.key.client_msg_id.as_bytes(), m.body.as_str(), i as i64);
+                let before = i.checked_sub(1000).map(|b| b as i64);
                 let rows = (
                     (conversation, 0_i8, 0_i64, sender, id, "", n, 0_i64),
                     (conversation, 1_i8, n, sender, id, body, n, 0_i64),
+                    (n, conversation, before),
                 );
                 let result = session.batch(batch, rows).await.unwrap();
                 let applied = result.into_rows_result().unwrap().first_row::<(bool,)>();
@@ -389,8 +407,8 @@ async fn main() {
         timed(cpu, &mut batch_cpu);
         batch_ratios.push(batch_rate / ceiling);
         // The database's time per message if it did nothing but the
-        // pipeline's requests, each at its raw rate: one LWT, one write.
-        let mix = 1.0 / (1.0 / ceiling + 1.0 / write_rate);
+        // pipeline's requests, each at its raw rate: one LWT, two writes.
+        let mix = 1.0 / (1.0 / ceiling + 2.0 / write_rate);
         println!(
             "   round {}: raw {ceiling:>6.0} inserts/s, pipeline {rate:>6.0} msgs/s, ratio {:.2}; plain writes {write_rate:>6.0}/s, the mix allows {:.2}; conditional batches {batch_rate:>6.0}/s ({:.2})",
             round + 1,
@@ -419,10 +437,11 @@ async fn main() {
     let (write_rate, mix_ratio) = (median(&mut writes), median(&mut mix_ratios));
     let lwt_in_writes = write_rate / median(&mut ceilings);
     println!(
-        "1b. raw plain row write:                   {write_rate:>9.0} writes/s; an LWT costs the database {lwt_in_writes:.1} plain writes, so 1 LWT + 1 write per message allow {mix_ratio:.2} of the ceiling at best (median of {rounds} rounds)",
+        "1b. raw plain history-row write:           {write_rate:>9.0} writes/s; an LWT costs the database {lwt_in_writes:.1} plain writes, so 1 LWT + 2 writes per message allow {mix_ratio:.2} of the ceiling at best (median of {rounds} rounds), 1 LWT + 1 write {:.2}",
+        lwt_in_writes / (lwt_in_writes + 1.0),
     );
     println!(
-        "1c. conditional batch alone, key + history row in one partition (the pipeline's LWT): {:.2} of the ceiling (median of {rounds} rounds)",
+        "1c. conditional batch, key + history row + last seq in one partition (the one-round design, not used: decisions.md): {:.2} of the ceiling (median of {rounds} rounds)",
         median(&mut batch_ratios)
     );
     if [&raw_cpu, &pipeline_cpu, &write_cpu, &batch_cpu]

@@ -88,10 +88,9 @@ pub struct IngestArgs {
     /// refused with `overloaded` (0s: refused at once).
     #[arg(long, env = "IMDEDUP_DB_QUEUE_WAIT", default_value = "800ms", value_parser = duration)]
     pub db_queue_wait: Duration,
-    /// Fail this share (0 to 1) of new messages' last write (the global key
-    /// row, once the message is stored), as if the database had timed out:
-    /// the phone is answered `maybe_stored` and resends. For fault tests
-    /// only (a build with the `testing` feature).
+    /// Fail this share (0 to 1) of the writes that publish a stored
+    /// message, as if the database had timed out: for fault tests only (a
+    /// build with the `testing` feature).
     #[cfg(feature = "testing")]
     #[arg(long, env = "IMDEDUP_FAULT_COMMIT_FAILURES")]
     pub fault_commit_failures: Option<f64>,
@@ -142,10 +141,7 @@ impl IngestArgs {
             scylla.member_name.clone_from(&shard);
             #[cfg(feature = "testing")]
             if let Some(rate) = self.fault_commit_failures {
-                tracing::warn!(
-                    rate,
-                    "injecting failures of the last write of a stored message"
-                );
+                tracing::warn!(rate, "injecting history commit failures");
                 scylla.faults.fail_commits_at_rate(rate);
             }
             scylla

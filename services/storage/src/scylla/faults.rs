@@ -1,13 +1,11 @@
 //! Faults the store injects on purpose, for the fault tests: built only
 //! with the `testing` feature, so a production build has none of it.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
-/// Faults the store injects on purpose: failing a new message's last write
-/// (its global key row, after the message is stored and readable), giving
-/// every key the same slot in its conversation, and a batch that reaches
-/// the database late. Off unless set; only
-/// in a build with the `testing` feature.
+/// Faults the store injects on purpose: failing the write that publishes a
+/// stored message (the history row's commit). Off unless set; only in a
+/// build with the `testing` feature.
 #[derive(Debug, Clone, Default)]
 pub struct Faults {
     inner: std::sync::Arc<FaultCounters>,
@@ -18,8 +16,6 @@ struct FaultCounters {
     next_commits: AtomicU64,
     commit_rate_ppm: AtomicU32,
     rolls: AtomicU64,
-    collide: AtomicBool,
-    late_batch_ms: AtomicU64,
 }
 
 impl Faults {
@@ -32,30 +28,6 @@ impl Faults {
     pub fn fail_commits_at_rate(&self, rate: f64) {
         let ppm = (rate.clamp(0.0, 1.0) * 1_000_000.0) as u32;
         self.inner.commit_rate_ppm.store(ppm, Ordering::SeqCst);
-    }
-
-    /// Give every key the same first slot, so each key after the first in
-    /// a conversation finds others' rows before its own.
-    pub fn collide_key_slots(&self) {
-        self.inner.collide.store(true, Ordering::SeqCst);
-    }
-
-    pub(super) fn key_slots_collide(&self) -> bool {
-        self.inner.collide.load(Ordering::Relaxed)
-    }
-
-    /// Answer the next message's batch at once as if it had timed out, and
-    /// send it `delay` later: a batch that reaches the database after its
-    /// writer gave up on it.
-    pub fn delay_next_batch(&self, delay: std::time::Duration) {
-        let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX).max(1);
-        self.inner.late_batch_ms.store(ms, Ordering::SeqCst);
-    }
-
-    /// The delay of this batch, when it is to be late.
-    pub(super) fn late_batch(&self) -> Option<std::time::Duration> {
-        let ms = self.inner.late_batch_ms.swap(0, Ordering::SeqCst);
-        (ms > 0).then(|| std::time::Duration::from_millis(ms))
     }
 
     /// Whether this commit is to fail.

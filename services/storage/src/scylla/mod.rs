@@ -1,36 +1,33 @@
 //! The ScyllaDB store (also runs on Apache Cassandra, the stand-in for tests).
 //!
 //! Tables (see [`schema::migrate`]):
-//! - `messages_by_conversation`, keyed by (conversation, seq): the history,
-//!   and at negative seqs the conversation's unique keys (sender, ID), both
-//!   written by one conditional batch per new message ([`insert`]). Rows an
-//!   older version wrote there may be pending, committed or abandoned
-//!   ([`publish`]).
-//! - `messages_by_key`, keyed by (sender, client_msg_id): each message's
-//!   *global row*, written plainly after its batch, for lookups by key (and
-//!   by older versions, which kept the unique key here with an LWT).
+//! - `messages_by_key`, keyed by (sender, client_msg_id), written with
+//!   `INSERT … IF NOT EXISTS`: the unique key. When the insert is not
+//!   applied, the existing row comes back and its server id and seq are
+//!   echoed. ScyllaDB returns the old row on every LWT reply, Cassandra only
+//!   when not applied, so replies are read by column name, untyped.
+//! - `messages_by_conversation`, keyed by (conversation, seq): history,
+//!   each row pending, committed or abandoned ([`publish`]).
 //! - `leases`: blocks of seqs per conversation, with the instance that owns
 //!   the conversation, and blocks of server ids, leased with LWTs, so no seq
 //!   or id is ever handed out twice, across restarts and failover.
 //! - `members`: the writer processes alive ([`members`]).
-//! - `layout_changes`: since when keys are kept per conversation.
 //!
 //! One insert, under its conversation's lock in this process: take a seq
 //! from the conversation's block (leasing one, as its owner, when needed);
-//! one conditional batch writes the key row and the history row; then the
-//! global row. Gaps (a block left behind by a restart, an insert whose
-//! outcome was unknown and which never applied) are harmless, as history
-//! pulls are range-based.
+//! write the history row pending; the LWT; commit the row. Readers stop at
+//! a pending row, so a cursor never passes a seq that may still appear;
+//! gaps (a repeat's abandoned seq, a block left behind by a restart) are
+//! harmless, as history pulls are range-based.
 //!
 //! Files: [`options`] (settings), [`session`] (connecting), [`schema`] (the
-//! tables), [`rows`] (reading replies), [`insert`] (a new message's one
-//! round), [`leases`] (seq and server-id blocks), [`members`] (writer
-//! membership), [`publish`] (what readers see), [`stalls`] (routing around a
-//! replica that stopped answering); the store is here.
+//! tables), [`rows`] (reading replies), [`leases`] (seq and server-id
+//! blocks), [`members`] (writer membership), [`publish`] (pending rows and
+//! what readers see), [`stalls`] (routing around a replica that stopped
+//! answering); the store and its insert are here.
 
 #[cfg(feature = "testing")]
 mod faults;
-mod insert;
 mod leases;
 mod members;
 mod options;
@@ -50,13 +47,10 @@ use crate::metrics::DB_CASSANDRA;
 use async_trait::async_trait;
 use imdedup_domain::{
     Error,
-    model::{HistoryQuery, MessageKey, NewMessage, StoredMessage},
+    model::{HistoryQuery, MessageKey, NewMessage, Receipt, StoredMessage},
     store::{Insert, MessageStore},
 };
-use scylla::{
-    client::session::Session,
-    statement::batch::{Batch, BatchType},
-};
+use scylla::client::session::Session;
 use tokio::sync::Mutex;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
@@ -71,15 +65,12 @@ pub use session::connect;
 use crate::locks::LockTable;
 use members::Membership;
 use options::check_keyspace_name;
-use requests::{Counted, CountedBatch};
-use rows::{KeyRow, db_error, rows, to_i64};
+use requests::Counted;
+use rows::{ExistingKey, KeyRow, db_error, lwt, maybe_stored, rows, to_i64};
 
 struct Statements {
-    /// The key row `IF NOT EXISTS`, the history row and the conversation's
-    /// `last_seq` `IF` it is still the one seen last, in one round.
-    insert_message: CountedBatch,
-    insert_global: Counted,
-    history_row: Counted,
+    insert_key: Counted,
+    insert_pending: Counted,
     commit_history: Counted,
     abandon_history: Counted,
     select_key: Counted,
@@ -116,17 +107,16 @@ struct Inner {
     options: ScyllaOptions,
     /// One insert at a time per conversation, with a bounded queue.
     locks: LockTable,
-    /// The seq block each conversation is using, and its `last_seq` as this
-    /// process last saw it. Evicting one is harmless: it is read and
-    /// written back under the conversation's lock, a block forgotten leaves
-    /// a gap, never a seq handed out twice, and a `last_seq` forgotten costs
-    /// one more round.
-    seq_blocks: moka::sync::Cache<String, insert::Seqs>,
+    /// The seq block each conversation is using. Evicting one is harmless:
+    /// it is read and written back under the conversation's lock, and a
+    /// block forgotten leaves a gap, never a seq handed out twice.
+    seq_blocks: moka::sync::Cache<String, Block>,
     /// This process as a writer: owner of the conversations it leases.
     member: Arc<Membership>,
-    /// Until when (Unix ms) inserts also check the key table of the layout
-    /// before keys were kept per conversation; 0 on a keyspace made after.
-    legacy_keys_until_ms: i64,
+    /// Pending rows whose LWT failed with an unknown outcome, by key: the
+    /// next LWT of the same key (the phone's resend) settles them at once
+    /// instead of leaving readers waiting for the fence.
+    in_doubt: moka::sync::Cache<MessageKey, StoredMessage>,
     server_ids: Mutex<Block>,
     /// Inserts running in their own tasks, waited for by `drain`.
     running: TaskTracker,
@@ -170,10 +160,14 @@ impl ScyllaStore {
         let ks = &options.keyspace;
         const COLUMNS: &str =
             "sender, client_msg_id, conversation, body, server_id, seq, stored_at_ms";
+        let insert_key_cql = format!(
+            "INSERT INTO {ks}.messages_by_key ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?) IF NOT EXISTS"
+        );
         let prepare = |cql: String, kind: RequestKind| {
-            // Every request but an LWT is safe to send twice (the message's
-            // batch is prepared below, and is too).
-            let idempotent = kind != RequestKind::Lwt;
+            // Every request but an LWT is safe to send twice, and so is the
+            // unique key's: a second copy finds the row the first one
+            // wrote, which `Inner::insert` takes as its own.
+            let idempotent = kind != RequestKind::Lwt || cql == insert_key_cql;
             let session = Arc::clone(&session);
             let options = options.clone();
             async move {
@@ -204,45 +198,6 @@ impl ScyllaStore {
                 Ok::<_, Error>(Counted::new(statement, kind, &options.metrics))
             }
         };
-        let insert_message = {
-            let key_row = session
-                .prepare(format!(
-                    "INSERT INTO {ks}.messages_by_conversation \
-                     (conversation, seq, sender, client_msg_id, server_id, key_seq, fingerprint, \
-                     stored_at_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?) IF NOT EXISTS"
-                ))
-                .await
-                .map_err(|e| db_error("prepare", e))?;
-            let history_row = session
-                .prepare(format!(
-                    "INSERT INTO {ks}.messages_by_conversation ({COLUMNS}) \
-                     VALUES (?, ?, ?, ?, ?, ?, ?)"
-                ))
-                .await
-                .map_err(|e| db_error("prepare", e))?;
-            // The conversation's last seq moves to this message's, only
-            // from the one its writer saw last: batches apply in seq order,
-            // and one that reaches a server late never applies.
-            let last_seq = session
-                .prepare(format!(
-                    "UPDATE {ks}.messages_by_conversation SET last_seq = ? \
-                     WHERE conversation = ? IF last_seq = ?"
-                ))
-                .await
-                .map_err(|e| db_error("prepare", e))?;
-            // The key row first: the batch is routed by its partition.
-            let mut batch = Batch::new(BatchType::Unlogged);
-            batch.append_statement(key_row);
-            batch.append_statement(history_row);
-            batch.append_statement(last_seq);
-            batch.set_consistency(options.consistency);
-            batch.set_serial_consistency(Some(options.serial_consistency));
-            batch.set_request_timeout(Some(options.request_timeout));
-            // A second copy finds the rows the first wrote, with this
-            // message's receipt, which `Inner::claim` takes as its own.
-            batch.set_is_idempotent(true);
-            CountedBatch::new(batch, RequestKind::Lwt, &options.metrics)
-        };
         let serial = prepare(
             format!(
                 "SELECT {COLUMNS} FROM {ks}.messages_by_key WHERE sender = ? AND client_msg_id = ?"
@@ -251,20 +206,14 @@ impl ScyllaStore {
         )
         .await?;
         let statements = Statements {
-            insert_message,
-            insert_global: prepare(
+            insert_key: prepare(insert_key_cql.clone(), RequestKind::Lwt)
+            .await?,
+            insert_pending: prepare(
                 format!(
-                    "INSERT INTO {ks}.messages_by_key ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"
+                    "INSERT INTO {ks}.messages_by_conversation ({COLUMNS}, pending, abandoned) \
+                     VALUES (?, ?, ?, ?, ?, ?, ?, true, false)"
                 ),
                 RequestKind::Write,
-            )
-            .await?,
-            history_row: prepare(
-                format!(
-                    "SELECT {COLUMNS}, pending, committed, abandoned \
-                     FROM {ks}.messages_by_conversation WHERE conversation = ? AND seq = ?"
-                ),
-                RequestKind::Read,
             )
             .await?,
             commit_history: prepare(
@@ -325,7 +274,6 @@ impl ScyllaStore {
             )
             .await?,
         };
-        let legacy_keys_until_ms = legacy_keys_until(&session, &options).await?;
         let member = Membership::join(Arc::clone(&session), &options).await?;
         Ok(Self {
             inner: Arc::new(Inner {
@@ -338,7 +286,10 @@ impl ScyllaStore {
                     .build(),
                 server_ids: Mutex::new(Block::default()),
                 member,
-                legacy_keys_until_ms,
+                in_doubt: moka::sync::Cache::builder()
+                    .max_capacity(100_000)
+                    .time_to_live(options.pending_fence)
+                    .build(),
                 running: TaskTracker::new(),
                 options,
             }),
@@ -346,34 +297,7 @@ impl ScyllaStore {
     }
 }
 
-/// Until when (Unix ms) inserts check the key table of the layout before
-/// keys were kept per conversation: the upgrade's time plus the horizon, or
-/// 0 on a keyspace made after.
-async fn legacy_keys_until(session: &Session, options: &ScyllaOptions) -> Result<i64, Error> {
-    let result = session
-        .query_unpaged(
-            format!(
-                "SELECT since_ms FROM {}.layout_changes WHERE name = ?",
-                options.keyspace
-            ),
-            (schema::CONVERSATION_KEYS,),
-        )
-        .await
-        .map_err(|e| db_error("read the layout", e))?;
-    let since_ms = rows::<(i64,)>(result)?
-        .into_iter()
-        .next()
-        .map(|(since,)| since)
-        .ok_or_else(|| Error::unavailable("the keyspace's layout is not recorded"))?;
-    Ok(if since_ms == 0 {
-        0
-    } else {
-        since_ms.saturating_add(millis(options.legacy_key_horizon))
-    })
-}
-
-/// A row's values in the order of `COLUMNS`, for the history and global
-/// rows.
+/// A row's values in the order of `COLUMNS`, for both insert statements.
 fn columns(row: &StoredMessage) -> (&str, &[u8], &str, &str, i64, i64, i64) {
     (
         row.key.sender.as_str(),
@@ -384,6 +308,15 @@ fn columns(row: &StoredMessage) -> (&str, &[u8], &str, &str, i64, i64, i64) {
         to_i64(row.receipt.seq),
         row.stored_at_ms,
     )
+}
+
+/// What an LWT that was not applied found in the key: the original, or
+/// `None` when it is `row` itself. The driver sends the LWT again to another
+/// replica when the first is slow to answer; when both copies ran, the one
+/// answered second finds the row the other wrote. The receipt tells them
+/// apart: a server id is never handed out twice.
+fn original_of(existing: StoredMessage, row: &StoredMessage) -> Option<StoredMessage> {
+    (existing.receipt != row.receipt).then_some(existing)
 }
 
 fn unix_millis() -> i64 {
@@ -410,6 +343,114 @@ impl Inner {
         let result = self.insert(message).await;
         self.record("insert", started, &result);
         result
+    }
+
+    async fn insert(&self, message: NewMessage) -> Result<Insert, Error> {
+        let conversation = message.conversation.as_str().to_owned();
+        // One insert at a time per conversation: seqs follow storage order.
+        let locked = self.locks.lock(&conversation).await?;
+        // Writes start only while this process's membership holds.
+        let epoch = self.member.writable()?;
+        let cached = self.seq_blocks.get(&conversation).unwrap_or_default();
+        let mut seqs = cached;
+        if seqs.epoch != epoch || seqs.next >= seqs.end {
+            seqs = self
+                .lease_seqs(&conversation, Some(cached.end), epoch)
+                .await?;
+        }
+        // Reserved now: whatever happens next, this seq is never handed
+        // out twice.
+        let seq = seqs.next;
+        seqs.next += 1;
+        self.seq_blocks.insert(conversation.clone(), seqs);
+        let row = StoredMessage {
+            receipt: Receipt {
+                server_id: self.next_server_id().await?,
+                seq,
+            },
+            key: message.key,
+            conversation: message.conversation,
+            body: message.body.into_string(),
+            stored_at_ms: unix_millis(),
+        };
+        // Readers stop at this row until it is committed or abandoned.
+        self.write_pending(&row).await?;
+        if unix_millis() - row.stored_at_ms > millis(self.options.request_timeout) {
+            // Too slow to start the LWT now: readers must be able to tell,
+            // once the fence passes, that no LWT for this row can still run.
+            self.abandon(&row).await?;
+            return Err(Error::unavailable("the database is slow; retry"));
+        }
+        let reply = self
+            .statements
+            .insert_key
+            .execute(&self.session, columns(&row))
+            .instrument(tracing::info_span!(
+                "cassandra.lwt",
+                otel.name = "INSERT messages_by_key",
+                otel.kind = "client",
+                db.system = "cassandra",
+                db.operation = "INSERT",
+                db.name = %self.options.keyspace,
+                db.cassandra.table = "messages_by_key",
+            ))
+            .await;
+        let (applied, existing) = match reply {
+            Ok(reply) => lwt::<ExistingKey>(reply)?,
+            Err(e) => {
+                // The outcome is unknown: the row stays pending, the resend
+                // (or a reader, after the fence) settles it.
+                self.in_doubt.insert(row.key.clone(), row);
+                return Err(maybe_stored("insert", e));
+            }
+        };
+        let original = if applied {
+            None
+        } else {
+            original_of(existing.into_message()?, &row)
+        };
+        self.options
+            .metrics
+            .inserted(DB_CASSANDRA, original.is_none());
+        if let Some(earlier) = self.in_doubt.remove(&row.key) {
+            // The key's fate is known now: an earlier try whose LWT failed
+            // either stored it (the row it left is the original, committed
+            // below) or can never apply (its seq is abandoned).
+            let settled = original.as_ref().unwrap_or(&row);
+            if settled.receipt != earlier.receipt
+                && let Err(e) = self.abandon(&earlier).await
+            {
+                tracing::warn!(error = %e, seq = earlier.receipt.seq, "could not abandon a pending row; readers settle it after the fence");
+            }
+        }
+        if let Some(original) = original {
+            // A repeat: the seq was not used. Once its row is marked
+            // abandoned, the next message takes the seq again (its pending
+            // write, later from this process's clock, clears the mark), so
+            // repeats leave no gaps.
+            match self.abandon(&row).await {
+                Ok(()) => {
+                    if let Some(mut block) = self.seq_blocks.get(&conversation)
+                        && block.next == seq + 1
+                    {
+                        block.next = seq;
+                        self.seq_blocks.insert(conversation, block);
+                    }
+                }
+                Err(e) => tracing::warn!(
+                    error = %e,
+                    seq,
+                    "could not abandon a pending row; readers settle it after the fence"
+                ),
+            }
+            drop(locked);
+            // Commits the original if its own commit was lost.
+            self.commit(&original).await?;
+            Ok(Insert::AlreadyStored(original))
+        } else {
+            self.commit(&row).await?;
+            Ok(Insert::Stored(row))
+        }
     }
 }
 
@@ -468,5 +509,33 @@ impl MessageStore for ScyllaStore {
         self.inner.running.wait().await;
         // Every write of ours has ended: others may take our conversations.
         self.inner.member.relinquish().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use imdedup_domain::model::{ClientMsgId, ConversationId, Sender};
+
+    use super::*;
+
+    fn row(server_id: u64, seq: u64) -> StoredMessage {
+        StoredMessage {
+            key: MessageKey {
+                sender: Sender::parse("ana").unwrap(),
+                client_msg_id: ClientMsgId::parse(b"m-1".to_vec()).unwrap(),
+            },
+            conversation: ConversationId::parse("dm:ana:ben").unwrap(),
+            body: "hi".to_owned(),
+            receipt: Receipt { server_id, seq },
+            stored_at_ms: 1,
+        }
+    }
+
+    #[test]
+    fn a_key_holding_this_very_row_is_not_a_repeat() {
+        // A second copy of the same LWT: the key holds what the first wrote.
+        assert_eq!(original_of(row(7, 3), &row(7, 3)), None);
+        // An earlier send of the same ID: its receipt is another.
+        assert_eq!(original_of(row(5, 2), &row(7, 3)), Some(row(5, 2)));
     }
 }

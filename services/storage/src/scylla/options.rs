@@ -56,12 +56,6 @@ pub struct ScyllaOptions {
     /// writer crashed, or its commit failed and the phone never resent).
     /// Until then, readers stop at it.
     pub pending_fence: Duration,
-    /// On a keyspace upgraded from the layout with one key table for all
-    /// conversations (`messages_by_key` written by an LWT), how long after
-    /// the upgrade a new message is also checked against that table, so a
-    /// resend of a message stored before the upgrade is still recognised:
-    /// longer than any phone keeps resending.
-    pub legacy_key_horizon: Duration,
     /// Faults to inject, for tests and the fault scenarios.
     #[cfg(feature = "testing")]
     pub faults: super::faults::Faults,
@@ -90,7 +84,6 @@ impl ScyllaOptions {
             member_ttl: Duration::from_secs(10),
             clock_skew: Duration::from_secs(2),
             pending_fence: Duration::from_secs(30),
-            legacy_key_horizon: Duration::from_secs(7 * 24 * 3600),
             #[cfg(feature = "testing")]
             faults: super::faults::Faults::default(),
         }
@@ -98,8 +91,6 @@ impl ScyllaOptions {
 
     /// How long after another process's last heartbeat ran out its
     /// conversations may be taken: its last writes have landed or failed.
-    /// (A batch of its that reaches a server later still cannot land behind
-    /// a newer message: its `last_seq` condition is false for good.)
     pub fn handover_grace(&self) -> Duration {
         self.request_timeout + self.clock_skew
     }

@@ -1,25 +1,25 @@
-//! What readers see: history rows in seq order, up to the first that may
-//! still change.
+//! Ordered publication: a reader following a conversation with a cursor
+//! never passes a seq that may still appear.
 //!
-//! Rows written by this version never change: a message's history row is
-//! written with its key, in one round ([`super::insert`]). Older versions
-//! wrote a history row *pending* before the unique key's LWT and committed
-//! it after, and their rows may still be pending. Readers return rows up to
-//! the first pending one and stop there, so a seq whose LWT may have
-//! applied is never skipped:
+//! An insert writes its history row *pending* before the unique-key LWT,
+//! and commits it after. Readers return rows up to the first pending one
+//! and stop there, so a seq whose LWT may have applied is never skipped:
 //! - the LWT applied and the commit failed (or the process died): the row
 //!   stays pending; the phone's resend finds the key and commits it;
-//! - the LWT was not applied (a repeat): the writer marked the row
+//! - the LWT was not applied (a repeat): the writer marks the row
 //!   abandoned, and readers skip it;
 //! - nobody settled it: once the row is older than the pending fence (every
 //!   LWT for it has ended by then), a reader reads the key with a serial
 //!   read and commits or abandons the row itself.
 //!
 //! The three states are three cells (`pending`, `committed`, `abandoned`).
-//! Writers only ever write them `true` (an older version's next message
-//! also set `abandoned` back to false on a repeat's seq it took, ordered by
-//! the session's client-side timestamps). Rows with none of them are
-//! visible: this version's, and those from before the cells existed.
+//! Writers in different processes only ever write them `true`, so they
+//! never overwrite each other whatever their clocks. One exception, within
+//! one process: a repeat's seq, once abandoned, is taken by the next
+//! message, whose pending write sets `abandoned` back to false; the
+//! session's client-side timestamps, increasing in the process, order the
+//! two writes. Rows from before these columns have none of them and are
+//! visible.
 
 use std::time::Instant;
 
@@ -55,9 +55,24 @@ fn publication([pending, committed, abandoned]: [bool; 3]) -> Publication {
 }
 
 impl Inner {
+    /// Write `row` pending, before its LWT. A failure means nothing is
+    /// stored: the LWT is never sent.
+    pub(super) async fn write_pending(&self, row: &StoredMessage) -> Result<(), Error> {
+        self.statements
+            .insert_pending
+            .execute(&self.session, columns(row))
+            .await
+            .map_err(|e| db_error("pending history write", e))?;
+        Ok(())
+    }
+
     /// Publish `row`: its key is stored. Also writes the whole row, so it
     /// repairs a history row that was never written.
     pub(super) async fn commit(&self, row: &StoredMessage) -> Result<(), Error> {
+        #[cfg(feature = "testing")]
+        if self.options.faults.commit_fails() {
+            return Err(maybe_stored("history commit", "injected fault"));
+        }
         self.statements
             .commit_history
             .execute(&self.session, columns(row))

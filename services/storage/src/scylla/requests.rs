@@ -6,11 +6,8 @@
 
 use crate::metrics::{DB_CASSANDRA, StoreMetrics};
 use scylla::{
-    client::session::Session,
-    errors::ExecutionError,
-    response::query_result::QueryResult,
-    serialize::{batch::BatchValues, row::SerializeRow},
-    statement::{batch::Batch, prepared::PreparedStatement},
+    client::session::Session, errors::ExecutionError, response::query_result::QueryResult,
+    serialize::row::SerializeRow, statement::prepared::PreparedStatement,
 };
 
 /// What one request costs the database.
@@ -65,35 +62,5 @@ impl Counted {
     ) -> Result<QueryResult, ExecutionError> {
         self.metrics.requested(DB_CASSANDRA, self.kind.as_str());
         session.execute_unpaged(&self.prepared, values).await
-    }
-}
-
-/// A batch of prepared statements, counted as one request of `kind` (a
-/// conditional batch on one partition is one Paxos round, whatever it
-/// writes).
-#[derive(Clone)]
-pub(super) struct CountedBatch {
-    batch: Batch,
-    kind: RequestKind,
-    metrics: StoreMetrics,
-}
-
-impl CountedBatch {
-    pub(super) fn new(batch: Batch, kind: RequestKind, metrics: &StoreMetrics) -> Self {
-        Self {
-            batch,
-            kind,
-            metrics: metrics.clone(),
-        }
-    }
-
-    /// Send it once with `values`, one row of values per statement.
-    pub(super) async fn execute(
-        &self,
-        session: &Session,
-        values: impl BatchValues,
-    ) -> Result<QueryResult, ExecutionError> {
-        self.metrics.requested(DB_CASSANDRA, self.kind.as_str());
-        session.batch(&self.batch, values).await
     }
 }

@@ -52,12 +52,6 @@ pub async fn migrate(session: &Session, options: &ScyllaOptions) -> Result<(), E
             .await
             .map_err(|e| db_error("create keyspace", e))?;
     }
-    // Made before keys were kept per conversation: its messages' keys are
-    // in `messages_by_key` alone, and a resend of one must still find it.
-    // (A migration cut off before it recorded the layout is taken for an
-    // upgrade: the old key table is read for nothing until the horizon.)
-    let upgraded_from_global_keys = table_exists(session, ks, "messages_by_key").await?
-        && !layout_recorded(session, ks).await?;
     let tables = [
         format!(
             "CREATE TABLE IF NOT EXISTS {ks}.messages_by_key (
@@ -70,13 +64,8 @@ pub async fn migrate(session: &Session, options: &ScyllaOptions) -> Result<(), E
                 conversation text, seq bigint,
                 sender text, client_msg_id blob, server_id bigint, body text, stored_at_ms bigint,
                 pending boolean, committed boolean, abandoned boolean,
-                last_seq bigint static,
                 PRIMARY KEY ((conversation), seq))
              WITH CLUSTERING ORDER BY (seq ASC)"
-        ),
-        format!(
-            "CREATE TABLE IF NOT EXISTS {ks}.layout_changes (
-                name text PRIMARY KEY, since_ms bigint)"
         ),
         format!(
             "CREATE TABLE IF NOT EXISTS {ks}.leases (
@@ -103,68 +92,15 @@ pub async fn migrate(session: &Session, options: &ScyllaOptions) -> Result<(), E
             ("pending", "boolean"),
             ("committed", "boolean"),
             ("abandoned", "boolean"),
-            ("key_seq", "bigint"),
-            ("fingerprint", "bigint"),
-            // The seq of the conversation's last message, which each
-            // insert's batch moves on under a condition.
-            ("last_seq", "bigint static"),
         ],
     )
     .await?;
     add_missing_columns(session, ks, "leases", &[("owner", "text")]).await?;
-    // When keys moved into their conversations' partitions: 0 on a keyspace
-    // that never had them elsewhere. Written once; a later migration keeps
-    // the first answer.
-    let since_ms = if upgraded_from_global_keys {
-        super::unix_millis()
-    } else {
-        0
-    };
-    session
-        .query_unpaged(
-            format!("INSERT INTO {ks}.layout_changes (name, since_ms) VALUES (?, ?) IF NOT EXISTS"),
-            (CONVERSATION_KEYS, since_ms),
-        )
-        .await
-        .map_err(|e| db_error("record the layout", e))?;
     session
         .await_schema_agreement()
         .await
         .map_err(|e| db_error("schema agreement", e))?;
     Ok(())
-}
-
-/// The `layout_changes` row that says since when keys are kept per
-/// conversation.
-pub(super) const CONVERSATION_KEYS: &str = "conversation_keys";
-
-/// Whether `table` exists in keyspace `ks`.
-async fn table_exists(session: &Session, ks: &str, table: &str) -> Result<bool, Error> {
-    let result = session
-        .query_unpaged(
-            "SELECT table_name FROM system_schema.tables \
-             WHERE keyspace_name = ? AND table_name = ?",
-            (ks, table),
-        )
-        .await
-        .map_err(|e| db_error("read schema", e))?;
-    Ok(!rows::<(String,)>(result)?.is_empty())
-}
-
-/// Whether the migration has recorded since when keys are kept per
-/// conversation.
-async fn layout_recorded(session: &Session, ks: &str) -> Result<bool, Error> {
-    if !table_exists(session, ks, "layout_changes").await? {
-        return Ok(false);
-    }
-    let result = session
-        .query_unpaged(
-            format!("SELECT since_ms FROM {ks}.layout_changes WHERE name = ?"),
-            (CONVERSATION_KEYS,),
-        )
-        .await
-        .map_err(|e| db_error("read the layout", e))?;
-    Ok(!rows::<(i64,)>(result)?.is_empty())
 }
 
 /// Add the columns `table` lacks (ScyllaDB has no `ADD IF NOT EXISTS`).

@@ -150,9 +150,8 @@ impl Harness {
         }
     }
 
-    /// Make storage fail. Embedded: stop the storage server. Real: drop a
-    /// column of the keys (their fingerprints), so every insert fails in
-    /// the database itself and nothing is stored; the history stays.
+    /// Make storage fail. Embedded: stop the storage server. Real: drop the
+    /// unique-key table, so every insert fails in the database itself.
     pub async fn break_storage(&mut self) {
         match &self.options.backends {
             Backends::Embedded | Backends::WithoutDedup => self.cluster.stop_storage().await,
@@ -160,10 +159,7 @@ impl Harness {
                 let session = imdedup_storage::scylla::connect(scylla).await.unwrap();
                 session
                     .query_unpaged(
-                        format!(
-                            "ALTER TABLE {}.messages_by_conversation DROP fingerprint",
-                            scylla.keyspace
-                        ),
+                        format!("DROP TABLE {}.messages_by_key", scylla.keyspace),
                         (),
                     )
                     .await
@@ -173,9 +169,7 @@ impl Harness {
     }
 
     /// Bring storage back (the data of the embedded store is on disk; the
-    /// real one is migrated again, as at startup, which adds the column
-    /// back: the keys stored before lose their fingerprints, which these
-    /// tests do not resend).
+    /// real one is migrated again, as at startup).
     pub async fn repair_storage(&mut self) {
         match &self.options.backends {
             Backends::Embedded | Backends::WithoutDedup => {

@@ -1,7 +1,6 @@
-//! What readers and writers see on the ScyllaDB store while writes fail,
-//! writers change and the layout is upgraded: a cursor never passes a seq
-//! that may still appear, one conversation has one writer at a time, and a
-//! key is recognised whatever slot or table it is in.
+//! What readers see on the ScyllaDB store while writes fail and writers
+//! change: a cursor never passes a seq that may still appear, and one
+//! conversation has one writer at a time.
 
 use std::{sync::Arc, time::Duration};
 
@@ -30,13 +29,13 @@ fn quick(mut options: ScyllaOptions, name: &str) -> ScyllaOptions {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_message_answered_maybe_stored_is_readable_in_order_and_its_resend_gets_its_receipt() {
+async fn a_reader_never_passes_a_message_whose_publication_failed() {
     let Some(options) = scylla_options() else {
         return;
     };
     let faults = options.faults.clone();
     let store = ScyllaStore::open(options).await.unwrap();
-    // A is stored with its key; the write after (its global row) fails.
+    // A's unique key is stored; the write that publishes it fails.
     faults.fail_next_commits(1);
     let err = store
         .insert_once(message("ana", "a", "c", "A"))
@@ -50,267 +49,69 @@ async fn a_message_answered_maybe_stored_is_readable_in_order_and_its_resend_get
         .await
         .unwrap();
     assert!(matches!(b, Insert::Stored(_)));
-    // A follower sees both, A first: A's history row was written with its
-    // key, in one round.
-    let rows = store.history(&history("c", 0)).await.unwrap();
-    assert_eq!(rows.len(), 2, "{rows:?}");
-    assert_eq!((rows[0].body.as_str(), &rows[1]), ("A", b.message()));
-    // Only a lookup by key misses A until it is resent.
-    assert_eq!(store.lookup(&rows[0].key).await.unwrap(), None);
+    // A follower must not see B yet: its cursor would pass A.
+    assert_eq!(store.history(&history("c", 0)).await.unwrap(), vec![]);
 
-    // The phone resends A: the receipt it was stored with.
+    // The phone resends A: the same receipt, and now both, in order.
     let a = store
         .insert_once(message("ana", "a", "c", "A"))
         .await
         .unwrap();
-    assert_eq!(a, Insert::AlreadyStored(rows[0].clone()));
+    let Insert::AlreadyStored(a) = a else {
+        panic!("A was stored by its first try: {a:?}")
+    };
+    assert!(a.receipt.seq < b.message().receipt.seq);
     assert_eq!(
-        store.lookup(&rows[0].key).await.unwrap(),
-        Some(rows[0].clone())
+        store.history(&history("c", 0)).await.unwrap(),
+        vec![a, b.message().clone()]
     );
-    assert_eq!(store.history(&history("c", 0)).await.unwrap(), rows);
 }
 
-/// A batch whose answer never came may still reach a server later. It
-/// lands only if nothing was written after it (the conversation's
-/// `last_seq` condition): before the next message, it is kept in order;
-/// after it, never, so it cannot appear behind a follower's cursor.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_batch_that_reaches_the_database_late_never_lands_behind_a_later_message() {
+async fn a_reader_settles_a_row_nobody_resends_once_the_fence_passes() {
     let Some(options) = scylla_options() else {
         return;
     };
     let options = quick(options, "ingest-0");
     let faults = options.faults.clone();
     let store = ScyllaStore::open(options.clone()).await.unwrap();
-    let bodies = |rows: &[StoredMessage]| rows.iter().map(|r| r.body.clone()).collect::<Vec<_>>();
-
-    // Late past the next message: A's batch gets no answer and reaches the
-    // database a second later, after B was stored at once.
-    faults.delay_next_batch(Duration::from_secs(1));
-    let err = store
-        .insert_once(message("ana", "a", "c1", "A"))
-        .await
-        .unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::MaybeStored, "{err}");
-    let b = store
-        .insert_once(message("ben", "b", "c1", "B"))
-        .await
-        .unwrap();
-    let read = store.history(&history("c1", 0)).await.unwrap();
-    assert_eq!(bodies(&read), ["B"]);
-    tokio::time::sleep(Duration::from_millis(2_500)).await;
-    assert_eq!(
-        store.history(&history("c1", 0)).await.unwrap(),
-        read,
-        "A's late batch did not land behind B, which a follower has read"
-    );
-    // A's resend stores it, after B.
-    let a = store
-        .insert_once(message("ana", "a", "c1", "A"))
-        .await
-        .unwrap();
-    assert!(matches!(a, Insert::Stored(_)), "{a:?}");
-    assert!(a.message().receipt.seq > b.message().receipt.seq);
-    let rows = store.history(&history("c1", 0)).await.unwrap();
-    assert_eq!(bodies(&rows), ["B", "A"]);
-
-    // Late but before the next message: it lands, in order, and its
-    // resend gets the receipt it was stored with.
-    faults.delay_next_batch(Duration::from_millis(100));
+    faults.fail_next_commits(1);
     store
-        .insert_once(message("ana", "a", "c2", "A"))
+        .insert_once(message("ana", "a", "c", "A"))
         .await
         .unwrap_err();
-    tokio::time::sleep(Duration::from_millis(1_500)).await;
-    let b = store
-        .insert_once(message("ben", "b", "c2", "B"))
-        .await
-        .unwrap();
-    let rows = store.history(&history("c2", 0)).await.unwrap();
-    assert_eq!(bodies(&rows), ["A", "B"]);
-    assert_eq!(rows[1], *b.message());
-    let a = store
-        .insert_once(message("ana", "a", "c2", "A"))
-        .await
-        .unwrap();
-    assert_eq!(a, Insert::AlreadyStored(rows[0].clone()));
-}
-
-/// Pending history rows are no longer written, but an older version's may
-/// still be in a keyspace it used.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_reader_settles_an_older_versions_pending_row_once_the_fence_passes() {
-    let Some(options) = scylla_options() else {
-        return;
-    };
-    let options = quick(options, "ingest-0");
-    let store = ScyllaStore::open(options.clone()).await.unwrap();
     let b = store
         .insert_once(message("ben", "b", "c", "B"))
         .await
         .unwrap();
-    let now = b.message().stored_at_ms;
-    // As an older version left them: A's key stored and its history row
-    // pending (its commit lost), then a pending row whose LWT never ran.
+    // A pending row whose LWT never ran (its writer died between the two):
+    // its key is not stored, so it must be skipped, never shown.
     let session = imdedup_storage::scylla::connect(&options).await.unwrap();
-    let ks = &options.keyspace;
-    for cql in [
-        format!(
-            "INSERT INTO {ks}.messages_by_key \
-             (sender, client_msg_id, conversation, seq, server_id, body, stored_at_ms) \
-             VALUES ('ana', 0x61, 'c', 1000, 98, 'A', {now})"
-        ),
-        format!(
-            "INSERT INTO {ks}.messages_by_conversation \
-             (conversation, seq, sender, client_msg_id, server_id, body, stored_at_ms, pending) \
-             VALUES ('c', 1000, 'ana', 0x61, 98, 'A', {now}, true)"
-        ),
-        format!(
-            "INSERT INTO {ks}.messages_by_conversation \
-             (conversation, seq, sender, client_msg_id, server_id, body, stored_at_ms, pending) \
-             VALUES ('c', 1001, 'cy', 0x7a, 99, 'never stored', {now}, true)"
-        ),
-    ] {
-        session.query_unpaged(cql, ()).await.unwrap();
-    }
-    // Readers stop before A: its writer may still be at it.
-    assert_eq!(
-        store.history(&history("c", 0)).await.unwrap(),
-        vec![b.message().clone()]
-    );
+    session
+        .query_unpaged(
+            format!(
+                "INSERT INTO {}.messages_by_conversation \
+                 (conversation, seq, sender, client_msg_id, server_id, body, stored_at_ms, pending) \
+                 VALUES ('c', 1000, 'cy', 0x7a, 99, 'never stored', ?, true)",
+                options.keyspace
+            ),
+            (b.message().stored_at_ms,),
+        )
+        .await
+        .unwrap();
+    assert!(store.history(&history("c", 0)).await.unwrap().is_empty());
 
     tokio::time::sleep(options.pending_fence + Duration::from_millis(500)).await;
     let rows = store.history(&history("c", 0)).await.unwrap();
     assert_eq!(
-        seqs(&rows),
-        [b.message().receipt.seq, 1000],
+        seqs(&rows).len(),
+        2,
         "A settled and shown, the orphan skipped"
     );
-    assert_eq!(rows[1].body, "A");
+    assert_eq!(rows[0].body, "A");
+    assert_eq!(rows[1], *b.message());
     // Settled for good: the same answer again, without waiting.
     assert_eq!(store.history(&history("c", 0)).await.unwrap(), rows);
-}
-
-/// A keyspace used by a version that kept every key in `messages_by_key`:
-/// until the horizon, a resend of a message stored then is recognised.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn messages_stored_before_keys_moved_into_conversations_are_recognised_until_the_horizon() {
-    let Some(options) = scylla_options() else {
-        return;
-    };
-    let ks = &options.keyspace;
-    let session = imdedup_storage::scylla::connect(&options).await.unwrap();
-    // The older layout, with one message in it.
-    for cql in [
-        format!(
-            "CREATE KEYSPACE {ks} WITH replication = \
-             {{'class': 'NetworkTopologyStrategy', 'replication_factor': 1}}"
-        ),
-        format!(
-            "CREATE TABLE {ks}.messages_by_key (sender text, client_msg_id blob, \
-             conversation text, seq bigint, server_id bigint, body text, stored_at_ms bigint, \
-             PRIMARY KEY ((sender, client_msg_id)))"
-        ),
-        format!(
-            "INSERT INTO {ks}.messages_by_key \
-             (sender, client_msg_id, conversation, seq, server_id, body, stored_at_ms) \
-             VALUES ('ana', 0x6f6c64, 'c', 7, 70, 'old', 1)"
-        ),
-    ] {
-        session.query_unpaged(cql, ()).await.unwrap();
-    }
-    let store = ScyllaStore::open(options.clone()).await.unwrap();
-    let resent = store
-        .insert_once(message("ana", "old", "c", "old"))
-        .await
-        .unwrap();
-    let Insert::AlreadyStored(original) = resent else {
-        panic!("a message stored before the upgrade was stored again: {resent:?}")
-    };
-    assert_eq!((original.receipt.server_id, original.receipt.seq), (70, 7));
-    // Its history row, lost in a crash of the older version, is written
-    // again by the resend.
-    assert_eq!(
-        store.history(&history("c", 0)).await.unwrap(),
-        vec![original.clone()]
-    );
-    // Its ID reused for another conversation: the original comes back
-    // (the ingest answers `id_reused`).
-    let reused = store
-        .insert_once(message("ana", "old", "d", "other"))
-        .await
-        .unwrap();
-    assert_eq!(reused, Insert::AlreadyStored(original.clone()));
-    // New messages are stored as usual, and recognised in their
-    // conversation.
-    let new = store
-        .insert_once(message("ana", "new", "c", "new"))
-        .await
-        .unwrap();
-    assert!(matches!(new, Insert::Stored(_)), "{new:?}");
-    assert_eq!(
-        store
-            .insert_once(message("ana", "new", "c", "new"))
-            .await
-            .unwrap(),
-        Insert::AlreadyStored(new.message().clone())
-    );
-    drop(store);
-
-    // Past the horizon the old table is not read: the old message's ID is
-    // free in its conversation's partition.
-    let mut past = options;
-    past.legacy_key_horizon = Duration::ZERO;
-    past.member_name = "past-the-horizon".to_owned();
-    let store = ScyllaStore::open(past).await.unwrap();
-    let after = store
-        .insert_once(message("ana", "old", "e", "old"))
-        .await
-        .unwrap();
-    assert!(matches!(after, Insert::Stored(_)), "{after:?}");
-}
-
-/// Two keys whose slots collide are two messages, each recognised again.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn keys_that_share_a_slot_stay_apart() {
-    let Some(options) = scylla_options() else {
-        return;
-    };
-    options.faults.collide_key_slots();
-    let store = ScyllaStore::open(options).await.unwrap();
-    let mut stored = Vec::new();
-    for (sender, id) in [("ana", "m1"), ("ben", "m1"), ("ana", "m2")] {
-        let insert = store
-            .insert_once(message(sender, id, "c", &format!("{sender} {id}")))
-            .await
-            .unwrap();
-        let Insert::Stored(row) = insert else {
-            panic!("{sender}/{id} merged with another key: {insert:?}")
-        };
-        stored.push(row);
-    }
-    assert_eq!(seqs(&stored), [1, 2, 3]);
-    for row in &stored {
-        let again = store
-            .insert_once(message(
-                row.key.sender.as_str(),
-                std::str::from_utf8(row.key.client_msg_id.as_bytes()).unwrap(),
-                "c",
-                &row.body,
-            ))
-            .await
-            .unwrap();
-        assert_eq!(again, Insert::AlreadyStored(row.clone()));
-    }
-    // An ID reused for other content: the original, body and all, comes
-    // back (read from its history row).
-    let reused = store
-        .insert_once(message("ana", "m2", "c", "something else"))
-        .await
-        .unwrap();
-    assert_eq!(reused, Insert::AlreadyStored(stored[2].clone()));
-    assert_eq!(store.history(&history("c", 0)).await.unwrap(), stored);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -11,7 +11,7 @@ use imdedup_storage::{ScyllaStore, SqliteOptions, SqliteStore};
 use imdedup_testkit::conformance::store::conforms;
 
 use super::common;
-use common::{message, scylla_options};
+use common::{history, message, scylla_options};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_conforms() {
@@ -119,4 +119,39 @@ async fn scylla_migration_is_idempotent_and_seqs_survive_a_restart() {
         "a seq is never reused"
     );
     assert_ne!(b.message().receipt.server_id, a.message().receipt.server_id);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scylla_a_resend_repairs_a_history_row_lost_in_a_crash() {
+    let Some(options) = scylla_options() else {
+        return;
+    };
+    let store = ScyllaStore::open(options.clone()).await.unwrap();
+    let first = store
+        .insert_once(message("ana", "m1", "c", "hi"))
+        .await
+        .unwrap();
+    // The crash: the unique-key row is there, the history row is not.
+    let session = imdedup_storage::scylla::connect(&options).await.unwrap();
+    session
+        .query_unpaged(
+            format!(
+                "DELETE FROM {}.messages_by_conversation WHERE conversation = 'c'",
+                options.keyspace
+            ),
+            (),
+        )
+        .await
+        .unwrap();
+    assert!(store.history(&history("c", 0)).await.unwrap().is_empty());
+
+    let again = store
+        .insert_once(message("ana", "m1", "c", "hi"))
+        .await
+        .unwrap();
+    assert_eq!(again, Insert::AlreadyStored(first.message().clone()));
+    assert_eq!(
+        store.history(&history("c", 0)).await.unwrap(),
+        vec![first.message().clone()]
+    );
 }
