@@ -85,6 +85,40 @@ pub struct Recorded {
     pub messages: Vec<MessageFate>,
 }
 
+impl Recorded {
+    /// The CPU sample taken nearest `when`, if one is within `within`.
+    fn sample_near(&self, when: Duration, within: Duration) -> Option<&CpuSample> {
+        self.cpu
+            .iter()
+            .min_by_key(|s| s.at.abs_diff(when))
+            .filter(|s| s.at.abs_diff(when) <= within)
+    }
+
+    /// CPU seconds `pick` read between the samples nearest `from` and `to`.
+    fn spent(
+        &self,
+        from: Duration,
+        to: Duration,
+        pick: fn(&CpuSample) -> Option<f64>,
+    ) -> Option<f64> {
+        let (first, last) = (
+            self.sample_near(from, Duration::MAX)?,
+            self.sample_near(to, Duration::MAX)?,
+        );
+        Some(pick(last)? - pick(first)?)
+    }
+
+    /// The services' cores over the second from `from`, between the samples
+    /// nearest its ends (each within half a second of it).
+    fn services_cores(&self, from: Duration) -> Option<f64> {
+        let half = Duration::from_millis(500);
+        let first = self.sample_near(from, half)?;
+        let last = self.sample_near(from + Duration::from_secs(1), half)?;
+        let seconds = last.at.checked_sub(first.at)?.as_secs_f64();
+        (seconds > 0.0).then_some((last.services? - first.services?) / seconds)
+    }
+}
+
 /// One second of the run.
 #[derive(Debug, Clone, Serialize)]
 pub struct SecondFigures {
@@ -98,6 +132,12 @@ pub struct SecondFigures {
     /// p99 latency of the messages due in this second, in ms (gave-ups
     /// count as infinitely late).
     pub p99_ms: f64,
+    /// The services' CPU in this second, in cores, and per ACK reaching a
+    /// phone in it, in µs (with `--admin`; between the samples nearest the
+    /// second's ends, taken once a second, so a sample late by half a
+    /// second shifts work into the next second).
+    pub services_cores: Option<f64>,
+    pub services_us: Option<f64>,
 }
 
 /// One phase's figures.
@@ -182,6 +222,7 @@ impl Figures {
         let seconds: Vec<SecondFigures> = (0..end)
             .map(|s| {
                 let (tries, refused) = recorded.tries.get(s).copied().unwrap_or_default();
+                let services_cores = recorded.services_cores(Duration::from_secs(s as u64));
                 SecondFigures {
                     second: s as u64,
                     phase: phase_at(s as u64),
@@ -190,6 +231,10 @@ impl Figures {
                     tries,
                     refused,
                     p99_ms: p99_ms(&mut due[s].clone()),
+                    services_cores,
+                    services_us: services_cores
+                        .filter(|_| goodput[s] > 0)
+                        .map(|cores| cores * 1e6 / goodput[s] as f64),
                 }
             })
             .collect();
@@ -219,19 +264,12 @@ impl Figures {
             let gave_up = of_phase.iter().filter(|m| m.latency.is_none()).count() as u64;
             // CPU over the phase's seconds, per message acknowledged in them.
             let acked: u64 = goodput.get(first..last).map_or(0, |g| g.iter().sum());
-            let cpu_at = |at: Duration, pick: fn(&CpuSample) -> Option<f64>| {
-                recorded
-                    .cpu
-                    .iter()
-                    .min_by_key(|s| s.at.abs_diff(at))
-                    .and_then(pick)
-            };
-            let spent = |pick: fn(&CpuSample) -> Option<f64>| {
-                Some(cpu_at(stop, pick)? - cpu_at(start, pick)?)
-            };
-            let services_us = spent(|s| s.services).map(|s| s * 1e6 / acked.max(1) as f64);
-            let driver_cores =
-                spent(|s| s.driver).map(|d| d / phase.duration.as_secs_f64().max(1e-9));
+            let services_us = recorded
+                .spent(start, stop, |s| s.services)
+                .map(|s| s * 1e6 / acked.max(1) as f64);
+            let driver_cores = recorded
+                .spent(start, stop, |s| s.driver)
+                .map(|d| d / phase.duration.as_secs_f64().max(1e-9));
             let recovered_after_s = phase.name.starts_with("after").then(|| {
                 let bound = recovered_bound(base_p99_ms);
                 let inside = seconds.get(first..last).unwrap_or_default();
@@ -281,14 +319,25 @@ impl Figures {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "overload: per second  {:>4}  {:<11} {:>8} {:>8} {:>8} {:>8} {:>9}",
-            "t", "phase", "offered", "goodput", "tries", "refused", "p99 ms"
+            "overload: per second  {:>4}  {:<11} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8}",
+            "t", "phase", "offered", "goodput", "tries", "refused", "p99 ms", "svc cores", "µs/ACK"
         );
+        let figure = |v: Option<f64>, digits: usize| {
+            v.map_or_else(|| "-".to_owned(), |v| format!("{v:.digits$}"))
+        };
         for s in &self.seconds {
             let _ = writeln!(
                 out,
-                "overload: per second  {:>4}  {:<11} {:>8} {:>8} {:>8} {:>8} {:>9.0}",
-                s.second, s.phase, s.offered, s.goodput, s.tries, s.refused, s.p99_ms
+                "overload: per second  {:>4}  {:<11} {:>8} {:>8} {:>8} {:>8} {:>9.0} {:>9} {:>8}",
+                s.second,
+                s.phase,
+                s.offered,
+                s.goodput,
+                s.tries,
+                s.refused,
+                s.p99_ms,
+                figure(s.services_cores, 2),
+                figure(s.services_us, 0)
             );
         }
         for p in &self.phases {
@@ -413,5 +462,43 @@ mod tests {
         assert!(figures.render().lines().last().unwrap().starts_with(
             "overload: capacity 100/s; at 1.5x goodput 150% of C, tries 2.00, gave up 0; at 3x"
         ));
+    }
+
+    #[test]
+    fn each_second_reports_the_services_cores_and_their_cpu_per_ack() {
+        let schedule = [Phase::new("base", 100.0, Duration::from_secs(4))];
+        let messages: Vec<MessageFate> = schedule_dues(&schedule)
+            .into_iter()
+            .map(|due| MessageFate {
+                due,
+                latency: Some(Duration::from_millis(10)),
+                tries: 1,
+            })
+            .collect();
+        // Sampled 0.2 s into each second; the services use half a core,
+        // then a whole one from 2.2 s; the sample near 4 s is missing.
+        let cpu = [0.0, 0.5, 1.0, 2.0]
+            .into_iter()
+            .enumerate()
+            .map(|(n, services)| CpuSample {
+                at: Duration::from_millis(200 + 1000 * n as u64),
+                services: Some(services),
+                driver: None,
+            })
+            .collect();
+        let recorded = Recorded {
+            tries: Vec::new(),
+            cpu,
+            messages,
+        };
+        let figures = Figures::new(100.0, &schedule, &recorded, Duration::from_secs(31));
+        let cores: Vec<Option<f64>> = figures.seconds.iter().map(|s| s.services_cores).collect();
+        assert_eq!(cores[..4], [Some(0.5), Some(0.5), Some(1.0), None]);
+        // 100 ACKs in second 2, at a whole core: 10,000 µs each.
+        assert_eq!(figures.seconds[2].goodput, 100);
+        assert_eq!(figures.seconds[2].services_us, Some(10_000.0));
+        assert_eq!(figures.seconds[3].services_us, None);
+        let second_2 = figures.render().lines().nth(3).unwrap().to_owned();
+        assert!(second_2.ends_with("1.00    10000"), "{second_2}");
     }
 }
