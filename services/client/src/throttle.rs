@@ -17,6 +17,17 @@
 //! book's value) lets it refuse at most about half of what it reads.
 //! Counting the held-back sends as requests keeps a trickle of sends
 //! reaching the gateway, so the phone notices when it accepts again.
+//!
+//! That trickle alone lets go slowly: with the held-back sends counted,
+//! what the phone sends can only double per window (the counts of the
+//! window before shrink the chance by `1 - k × sent / requests`), so a
+//! phone that saw nearly every send refused would need four or five
+//! windows, 10-15 s, to send freely again, while the gateway sat idle: a
+//! database stall that ends leaves the phones throttling long after it.
+//! So the throttle holds back only while the gateway's last refusal asked
+//! to wait (its `retry_after_ms`, at least [`MIN_WAIT`]): once that time has
+//! passed with no refusal since, every send goes, and the next refusal
+//! brings the counts, which still cover the last seconds, back into play.
 
 use std::time::{Duration, Instant};
 
@@ -43,6 +54,9 @@ pub(crate) struct Throttle {
     previous: Tally,
     /// When the gateway's last `overloaded` answer asked to come back.
     come_back_at: Option<Instant>,
+    /// Until when the last `overloaded` answer holds sends back: its wait,
+    /// or [`DEFAULT_WAIT`] without one, at least [`MIN_WAIT`].
+    holding_until: Option<Instant>,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -63,6 +77,7 @@ impl Throttle {
             current: Tally::default(),
             previous: Tally::default(),
             come_back_at: None,
+            holding_until: None,
         }
     }
 
@@ -70,7 +85,7 @@ impl Throttle {
     /// [0, 1)). Counted either way.
     pub(crate) fn hold_back(&mut self, now: Instant, draw: f64) -> bool {
         self.rotate(now);
-        let held = draw < self.chance();
+        let held = draw < self.chance(now);
         self.current.requests += 1;
         if !held {
             self.current.sent += 1;
@@ -85,6 +100,7 @@ impl Throttle {
         if let Some(hint) = hint {
             self.come_back_at = Some(now + hint);
         }
+        self.holding_until = Some(now + hint.unwrap_or(DEFAULT_WAIT).max(MIN_WAIT));
     }
 
     /// How long a send held back now waits before it is tried again
@@ -98,8 +114,12 @@ impl Throttle {
             .clamp(MIN_WAIT, MAX_WAIT)
     }
 
-    /// The chance that a new send is held back now.
-    fn chance(&self) -> f64 {
+    /// The chance that a new send is held back now: none once the last
+    /// refusal's wait has run out.
+    fn chance(&self, now: Instant) -> f64 {
+        if self.holding_until.is_none_or(|until| now >= until) {
+            return 0.0;
+        }
         let requests = (self.current.requests + self.previous.requests) as f64;
         let sent = self.current.sent + self.previous.sent;
         let refused = self.current.refused + self.previous.refused;
@@ -125,20 +145,32 @@ mod tests {
     use super::*;
 
     /// The phone wants `n` sends (draws spread evenly over [0, 1)); the
-    /// gateway accepts the first `accepts` it reads and refuses the rest.
-    /// How many reached it.
-    fn round(throttle: &mut Throttle, now: Instant, n: u32, accepts: u32) -> u32 {
+    /// gateway accepts the first `accepts` it reads and refuses the rest,
+    /// asking each to come back after `hint`. How many reached it.
+    fn round_hinted(
+        throttle: &mut Throttle,
+        now: Instant,
+        n: u32,
+        accepts: u32,
+        hint: Duration,
+    ) -> u32 {
         let mut sent = 0;
         for i in 0..n {
             let draw = (f64::from(i) * 0.618_033_988_7).fract();
             if !throttle.hold_back(now, draw) {
                 sent += 1;
                 if sent > accepts {
-                    throttle.refused(now, None);
+                    throttle.refused(now, Some(hint));
                 }
             }
         }
         sent
+    }
+
+    /// [`round_hinted`] with the waits of a lasting overload: appointments
+    /// a few seconds ahead.
+    fn round(throttle: &mut Throttle, now: Instant, n: u32, accepts: u32) -> u32 {
+        round_hinted(throttle, now, n, accepts, Duration::from_secs(3))
     }
 
     /// The gateway accepts everything, or nothing.
@@ -183,6 +215,38 @@ mod tests {
         // Two buckets later the refusals no longer count.
         let later = start + 2 * BUCKET + Duration::from_secs(1);
         assert_eq!(round(&mut throttle, later, 100, ALL), 100);
+    }
+
+    #[test]
+    fn sends_flow_again_once_the_last_refusals_wait_has_run_out() {
+        // A stalled database: every send refused for a second, each asked
+        // to come back in 500 ms.
+        let start = Instant::now();
+        let mut throttle = Throttle::new(2.0, start);
+        let hint = Duration::from_millis(500);
+        assert!(round_hinted(&mut throttle, start, 100, NONE, hint) < 50);
+        // While that wait runs, most sends are held back.
+        let waiting = start + Duration::from_millis(300);
+        assert!(round_hinted(&mut throttle, waiting, 100, NONE, hint) < 20);
+        // Once it has run out every send goes, though the refusals are
+        // still in the counts (without this rule only about 10 of 100
+        // would).
+        let after = waiting + Duration::from_millis(600);
+        assert!(after < start + BUCKET);
+        assert_eq!(round_hinted(&mut throttle, after, 100, ALL, hint), 100);
+    }
+
+    #[test]
+    fn a_refusal_after_a_pause_brings_the_counts_back_at_once() {
+        let start = Instant::now();
+        let mut throttle = Throttle::new(2.0, start);
+        let hint = Duration::from_millis(500);
+        round_hinted(&mut throttle, start, 100, NONE, hint);
+        // Past the wait, the gateway refuses again: the next sends are held
+        // back at the chance the counts give, not from zero.
+        let after = start + Duration::from_secs(1);
+        let sent = round_hinted(&mut throttle, after, 100, NONE, hint);
+        assert!(sent < 10, "sent {sent} of 100");
     }
 
     #[test]
