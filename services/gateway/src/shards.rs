@@ -11,7 +11,7 @@ use imdedup_hops::ingest::IngestClient;
 use imdedup_runtime::tls::InternalTls;
 
 /// The ingest shards of the shard map, each with a lazily connecting
-/// client ([`IngestClient`]: sends in natural batches).
+/// client ([`IngestClient`]: sends on one long-lived stream).
 #[derive(Clone)]
 pub struct Shards {
     map: ShardMap,
@@ -20,8 +20,8 @@ pub struct Shards {
 
 impl Shards {
     /// Clients for the shards of `map`; none connects until used (then over
-    /// `tls`). A batch gets `timeout` as its deadline. Must be called inside
-    /// a Tokio runtime.
+    /// `tls`). A stream that answers nothing for twice `timeout` is given
+    /// up. Must be called inside a Tokio runtime.
     pub fn connect_lazy(
         map: ShardMap,
         timeout: Duration,

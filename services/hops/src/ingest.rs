@@ -1,6 +1,14 @@
-//! The gateway's hop to one ingest shard: sends travel in natural batches
-//! (`SendBatch`, see [`crate::batch`]), each answered as soon as it is
-//! decided. Which shard a send goes to is the gateway's business.
+//! The gateway's hop to one ingest shard: sends travel on one long-lived
+//! `SendStream` (see [`crate::stream`]), each answered as soon as it is
+//! decided. Which shard a send goes to is the gateway's business, and so is
+//! how many go at once: the gateway's admission (its limit by time and the
+//! held sends behind it) decides what enters, and each shard's stream keeps
+//! an adaptive window ([`SEND_WINDOW`], see [`crate::stream::window`]): a
+//! shard that answers `overloaded` or `deadline_exceeded` (its database
+//! limit is full, or the send's time ran out there) halves it, and the sends
+//! beyond it wait in the gateway, bounded by their deadlines, instead of in
+//! the shard's queue for a database place, from which they would come back
+//! refused and be sent again.
 
 use std::time::Duration;
 
@@ -22,19 +30,73 @@ use tonic::transport::{Channel, Endpoint};
 
 use crate::{
     MAX_BATCH_MESSAGE_BYTES,
-    batch::{Answers, BatchLimits, Batcher},
+    stream::{HopAnswers, HopCall, HopLimits, ReceiverStream, StreamHop, WindowLimits},
 };
+
+/// The window of sends unanswered per shard: it starts at 64 (the ingest's
+/// initial database limit), grows while it is used, up to 1,024 (what a
+/// shard reads of one stream at once), and a shard's pushback takes it down
+/// to 16 at the least.
+pub const SEND_WINDOW: WindowLimits = WindowLimits {
+    initial: 64,
+    min: 16,
+    max: 1024,
+};
+
+/// Opens `SendStream` for the [`StreamHop`] of sends.
+struct SendStreamCall {
+    client: IngestServiceClient<Channel>,
+}
+
+impl HopCall for SendStreamCall {
+    type Req = pb::SendRequest;
+    type Resp = pb::SendResponse;
+
+    async fn open(
+        &self,
+        requests: ReceiverStream<pb::SendRequest>,
+    ) -> Result<HopAnswers<pb::SendResponse>, Error> {
+        let answers = self
+            .client
+            .clone()
+            .send_stream(requests)
+            .await
+            .map_err(from_status)?
+            .into_inner();
+        Ok(Box::pin(answers.map(|answer| answer.map_err(from_status))))
+    }
+
+    fn set_tag(request: &mut pb::SendRequest, tag: u64) {
+        request.tag = tag;
+    }
+
+    fn tag(answer: &pb::SendResponse) -> u64 {
+        answer.tag
+    }
+
+    fn is_pushback(answer: &pb::SendResponse) -> bool {
+        matches!(
+            &answer.result,
+            Some(send_response::Result::Error(e))
+                if matches!(
+                    e.code(),
+                    pb::ErrorCode::Overloaded | pb::ErrorCode::DeadlineExceeded
+                )
+        )
+    }
+}
 
 /// A lazily connecting client of one ingest shard.
 #[derive(Clone)]
 pub struct IngestClient {
-    batcher: Batcher<pb::SendRequest, pb::SendResponse>,
+    sends: StreamHop<SendStreamCall>,
 }
 
 impl IngestClient {
     /// A client of the shard at `url`; it connects when first used (over
-    /// `tls`). A batch gets `timeout` as its deadline. Must be called
-    /// inside a Tokio runtime.
+    /// `tls`). A stream that answers nothing for twice `timeout` (at least
+    /// 2 s) while sends wait is given up, and its sends fail as
+    /// `maybe_stored`. Must be called inside a Tokio runtime.
     pub fn connect_lazy(url: &str, timeout: Duration, tls: &InternalTls) -> Result<Self, Error> {
         let endpoint = Endpoint::from_shared(url.to_owned())
             .map_err(|e| Error::invalid(format!("bad ingest shard url {url:?}: {e}")))?
@@ -43,10 +105,13 @@ impl IngestClient {
             .http2_keep_alive_interval(Duration::from_secs(30));
         let client = IngestServiceClient::new(tls::channel(endpoint, tls)?)
             .max_decoding_message_size(MAX_BATCH_MESSAGE_BYTES);
+        let limits = HopLimits {
+            window: SEND_WINDOW,
+            stall: (timeout * 2).max(Duration::from_secs(2)),
+            ..HopLimits::default()
+        };
         Ok(Self {
-            batcher: Batcher::spawn(BatchLimits::default(), move |sends| {
-                send_batch(client.clone(), timeout, sends)
-            }),
+            sends: StreamHop::spawn(limits, SendStreamCall { client }),
         })
     }
 
@@ -59,10 +124,10 @@ impl IngestClient {
             body: message.body.into_string(),
             trace_context: telemetry::trace_context(),
             tag: 0,
-            // The deadline travels with the send, through the batch.
+            // The deadline travels with the send.
             budget_ms: u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX),
         };
-        let response = tokio::time::timeout(timeout, self.batcher.call(request))
+        let response = tokio::time::timeout(timeout, self.sends.call(request))
             .await
             .map_err(|_| late(timeout))??;
         match response.result {
@@ -82,27 +147,45 @@ fn late(timeout: Duration) -> Error {
     )
 }
 
-/// One `SendBatch` call; each send is answered as soon as it is decided,
-/// matched by its tag (its index in the batch).
-async fn send_batch(
-    mut client: IngestServiceClient<Channel>,
-    timeout: Duration,
-    mut sends: Vec<pb::SendRequest>,
-) -> Result<Answers<pb::SendResponse>, Error> {
-    for (index, send) in sends.iter_mut().enumerate() {
-        send.tag = index as u64;
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(result: send_response::Result) -> pb::SendResponse {
+        pb::SendResponse {
+            tag: 1,
+            result: Some(result),
+        }
     }
-    let mut request = tonic::Request::new(pb::SendBatchRequest { sends });
-    request.set_timeout(timeout);
-    let answers = tokio::time::timeout(timeout, client.send_batch(request))
-        .await
-        .map_err(|_| late(timeout))?
-        .map_err(from_status)?
-        .into_inner()
-        .map(|answer| {
-            let answer = answer.map_err(from_status)?;
-            let index = usize::try_from(answer.tag).unwrap_or(usize::MAX);
-            Ok((index, Ok(answer)))
-        });
-    Ok(Box::pin(answers))
+
+    fn refusal(code: pb::ErrorCode) -> pb::SendResponse {
+        answer(send_response::Result::Error(pb::Error {
+            code: code.into(),
+            retryable: true,
+            ..Default::default()
+        }))
+    }
+
+    #[test]
+    fn a_shard_out_of_room_or_time_pushes_back_and_nothing_else_does() {
+        assert!(SendStreamCall::is_pushback(&refusal(
+            pb::ErrorCode::Overloaded
+        )));
+        assert!(SendStreamCall::is_pushback(&refusal(
+            pb::ErrorCode::DeadlineExceeded
+        )));
+        // The database down, a bad send or a reused ID say nothing about
+        // how many sends the shard can take.
+        for code in [
+            pb::ErrorCode::Unavailable,
+            pb::ErrorCode::InvalidArgument,
+            pb::ErrorCode::IdReused,
+            pb::ErrorCode::Internal,
+        ] {
+            assert!(!SendStreamCall::is_pushback(&refusal(code)), "{code:?}");
+        }
+        assert!(!SendStreamCall::is_pushback(&answer(
+            send_response::Result::Ack(pb::Ack::default())
+        )));
+    }
 }

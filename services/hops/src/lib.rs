@@ -1,17 +1,18 @@
 //! The hops between the services, each client beside the machinery its
 //! server answers with:
 //!
-//! - [`ingest`]: the gateway's client of an ingest shard (`SendBatch`, in
-//!   natural batches, [`batch`]);
+//! - [`ingest`]: the gateway's client of an ingest shard, its sends on one
+//!   long-lived stream (`SendStream`);
 //! - [`storage`]: the storage service as a `MessageStore`, its inserts on
-//!   one long-lived stream ([`stream`], whose serving side,
-//!   [`stream::answer_each`], the ingest and storage servers use);
+//!   one long-lived stream (`InsertStream`);
+//! - [`stream`]: the machinery of both ([`stream::StreamHop`]), and its
+//!   serving side ([`stream::answer_each`]), which the ingest and storage
+//!   servers use;
 //! - [`MAX_BATCH_MESSAGE_BYTES`]: what both sides of a hop decode at most.
 //!
 //! The messages themselves are `imdedup-proto`'s; serving, TLS and trace
 //! context are `imdedup-runtime`'s.
 
-pub mod batch;
 pub mod ingest;
 pub mod storage;
 pub mod stream;

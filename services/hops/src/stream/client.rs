@@ -19,11 +19,14 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use imdedup_domain::{Error, ErrorKind};
 
+use super::window::{Window, WindowLimits};
+
 /// Limits of one [`StreamHop`].
 #[derive(Debug, Clone, Copy)]
 pub struct HopLimits {
-    /// Most requests sent and not answered yet; callers wait beyond that.
-    pub window: usize,
+    /// Most requests sent and not answered yet; callers wait beyond that
+    /// (see [`super::window`]).
+    pub window: WindowLimits,
     /// Most requests waiting for a place in the window.
     pub queue: usize,
     /// How long the stream may answer nothing while requests wait before it
@@ -34,7 +37,7 @@ pub struct HopLimits {
 impl Default for HopLimits {
     fn default() -> Self {
         Self {
-            window: 1024,
+            window: WindowLimits::fixed(1024),
             queue: 16_384,
             stall: Duration::from_secs(10),
         }
@@ -60,6 +63,12 @@ pub trait HopCall: Send + Sync + 'static {
 
     /// The tag an answer carries.
     fn tag(answer: &Self::Resp) -> u64;
+
+    /// Whether `answer` says the server has more than it can take (an
+    /// adaptive window then shrinks); never, unless a hop says otherwise.
+    fn is_pushback(_answer: &Self::Resp) -> bool {
+        false
+    }
 }
 
 struct Item<Req, Resp> {
@@ -112,14 +121,14 @@ async fn drive<C: HopCall>(
     mut incoming: mpsc::Receiver<Item<C::Req, C::Resp>>,
     call: C,
 ) {
-    let window = limits.window.max(1);
+    let mut window = Window::new(limits.window);
     let mut next_tag = 0_u64;
     let mut waiting: Waiting<C::Resp> = HashMap::new();
     // A stream opens for the first request after none was open.
     while let Some(first) = incoming.recv().await {
         // Every request sent and unanswered holds a place in the window, so
         // the channel to the stream never fills.
-        let (to_stream, requests) = mpsc::channel(window);
+        let (to_stream, requests) = mpsc::channel(limits.window.max.max(1));
         let opened = tokio::time::timeout(limits.stall, call.open(ReceiverStream::new(requests)));
         let opened = match opened.await {
             Ok(opened) => opened,
@@ -140,20 +149,26 @@ async fn drive<C: HopCall>(
                 continue;
             }
         };
-        let mut send = |item: Item<C::Req, C::Resp>, waiting: &mut Waiting<C::Resp>| {
-            let Item { mut request, reply } = item;
-            next_tag = next_tag.wrapping_add(1);
-            C::set_tag(&mut request, next_tag);
-            match to_stream.try_send(request) {
-                Ok(()) => {
-                    waiting.insert(next_tag, reply);
+        let send =
+            |item: Item<C::Req, C::Resp>, waiting: &mut Waiting<C::Resp>, next_tag: &mut u64| {
+                let Item { mut request, reply } = item;
+                if reply.is_closed() {
+                    // Its caller gave up while it waited for a place: no one
+                    // would read the answer.
+                    return;
                 }
-                Err(_) => {
-                    let _ = reply.send(Err(Error::unavailable("the stream closed")));
+                *next_tag = next_tag.wrapping_add(1);
+                C::set_tag(&mut request, *next_tag);
+                match to_stream.try_send(request) {
+                    Ok(()) => {
+                        waiting.insert(*next_tag, reply);
+                    }
+                    Err(_) => {
+                        let _ = reply.send(Err(Error::unavailable("the stream closed")));
+                    }
                 }
-            }
-        };
-        send(first, &mut waiting);
+            };
+        send(first, &mut waiting, &mut next_tag);
         let mut last_answer = Instant::now();
         let mut open = true;
         // Checked a few times per `stall`, not armed per request.
@@ -165,7 +180,13 @@ async fn drive<C: HopCall>(
                 answer = answers.next() => match answer {
                     Some(Ok(answer)) => {
                         last_answer = Instant::now();
-                        match waiting.remove(&C::tag(&answer)) {
+                        let tag = C::tag(&answer);
+                        if C::is_pushback(&answer) {
+                            window.pushed_back(tag, next_tag);
+                        } else {
+                            window.answered(waiting.len());
+                        }
+                        match waiting.remove(&tag) {
                             // The caller may have given up waiting.
                             Some(reply) => drop(reply.send(Ok(answer))),
                             None => tracing::warn!(tag = C::tag(&answer), "a stream answered an unknown tag"),
@@ -174,12 +195,12 @@ async fn drive<C: HopCall>(
                     Some(Err(e)) => break e,
                     None => break Error::unavailable("the stream ended"),
                 },
-                item = incoming.recv(), if open && waiting.len() < window => match item {
+                item = incoming.recv(), if open && window.has_room(waiting.len()) => match item {
                     Some(item) => {
                         if waiting.is_empty() {
                             last_answer = Instant::now();
                         }
-                        send(item, &mut waiting);
+                        send(item, &mut waiting, &mut next_tag);
                     }
                     None if waiting.is_empty() => return,
                     // Every clone dropped: answer what is in flight, then stop.
@@ -228,11 +249,13 @@ mod tests {
         tag: u64,
     }
 
-    /// The fake server's answer: `value * 10`, with the request's tag.
+    /// The fake server's answer: `value * 10`, with the request's tag, or a
+    /// refusal (pushback).
     #[derive(Debug, PartialEq)]
     struct Resp {
         value: u64,
         tag: u64,
+        refused: bool,
     }
 
     /// What the fake server does with a stream's requests.
@@ -244,6 +267,8 @@ mod tests {
         BreakAfter(usize),
         /// Read every request, answer none, never end.
         Silent,
+        /// Refuse each after 1 ms.
+        Refuse,
     }
 
     /// An in-process server behind [`HopCall`]: counts the streams opened
@@ -253,8 +278,11 @@ mod tests {
         /// Opens that fail before the first success.
         failing_opens: AtomicUsize,
         opens: Arc<AtomicUsize>,
+        read: Arc<AtomicUsize>,
         unanswered: Arc<AtomicUsize>,
         most_unanswered: Arc<AtomicUsize>,
+        /// The most unanswered at once from the 21st request read on.
+        most_unanswered_late: Arc<AtomicUsize>,
     }
 
     impl Fake {
@@ -263,8 +291,10 @@ mod tests {
                 behaviour,
                 failing_opens: AtomicUsize::new(0),
                 opens: Arc::default(),
+                read: Arc::default(),
                 unanswered: Arc::default(),
                 most_unanswered: Arc::default(),
+                most_unanswered_late: Arc::default(),
             }
         }
     }
@@ -284,9 +314,11 @@ mod tests {
             self.opens.fetch_add(1, Ordering::SeqCst);
             let (answers, out) = mpsc::channel(1024);
             let behaviour = self.behaviour;
-            let (unanswered, most) = (
+            let (total_read, unanswered, most, most_late) = (
+                Arc::clone(&self.read),
                 Arc::clone(&self.unanswered),
                 Arc::clone(&self.most_unanswered),
+                Arc::clone(&self.most_unanswered_late),
             );
             tokio::spawn(async move {
                 let mut read = 0;
@@ -294,15 +326,21 @@ mod tests {
                     read += 1;
                     let now = unanswered.fetch_add(1, Ordering::SeqCst) + 1;
                     most.fetch_max(now, Ordering::SeqCst);
+                    if total_read.fetch_add(1, Ordering::SeqCst) >= 20 {
+                        most_late.fetch_max(now, Ordering::SeqCst);
+                    }
                     match behaviour {
-                        Behaviour::Answer => {
+                        Behaviour::Answer | Behaviour::Refuse => {
+                            let refused = matches!(behaviour, Behaviour::Refuse);
                             let (answers, unanswered) = (answers.clone(), Arc::clone(&unanswered));
                             tokio::spawn(async move {
-                                tokio::time::sleep(Duration::from_millis(request.value % 4)).await;
+                                let pause = if refused { 1 } else { request.value % 4 };
+                                tokio::time::sleep(Duration::from_millis(pause)).await;
                                 unanswered.fetch_sub(1, Ordering::SeqCst);
                                 let answer = Resp {
                                     value: request.value * 10,
                                     tag: request.tag,
+                                    refused,
                                 };
                                 let _ = answers.send(Ok(answer)).await;
                             });
@@ -328,6 +366,10 @@ mod tests {
         fn tag(answer: &Resp) -> u64 {
             answer.tag
         }
+
+        fn is_pushback(answer: &Resp) -> bool {
+            answer.refused
+        }
     }
 
     fn req(value: u64) -> Req {
@@ -336,7 +378,7 @@ mod tests {
 
     fn limits(window: usize) -> HopLimits {
         HopLimits {
-            window,
+            window: WindowLimits::fixed(window),
             queue: 1024,
             stall: Duration::from_secs(5),
         }
@@ -365,6 +407,54 @@ mod tests {
         assert!(answers.iter().all(Result::is_ok));
         let most = most.load(Ordering::SeqCst);
         assert!((1..=4).contains(&most), "{most} unanswered at once");
+    }
+
+    #[tokio::test]
+    async fn refusals_shrink_an_adaptive_window_to_its_floor() {
+        let fake = Fake::new(Behaviour::Refuse);
+        let (most, late) = (
+            Arc::clone(&fake.most_unanswered),
+            Arc::clone(&fake.most_unanswered_late),
+        );
+        let limits = HopLimits {
+            window: WindowLimits {
+                initial: 8,
+                min: 2,
+                max: 8,
+            },
+            ..limits(8)
+        };
+        let hop = StreamHop::spawn(limits, fake);
+        let answers = join_all((0..100).map(|i| hop.call(req(i)))).await;
+        assert!(answers.iter().all(|a| a.as_ref().is_ok_and(|a| a.refused)));
+        assert_eq!(most.load(Ordering::SeqCst), 8, "the window starts at 8");
+        let late = late.load(Ordering::SeqCst);
+        assert!(
+            (1..=2).contains(&late),
+            "{late} unanswered at once after the refusals"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_whose_caller_gave_up_while_it_waited_for_a_place_is_not_sent() {
+        let fake = Fake::new(Behaviour::Answer);
+        let read = Arc::clone(&fake.read);
+        let hop = StreamHop::spawn(limits(1), fake);
+        // 3 is answered after 3 ms, holding the only place meanwhile.
+        let first = tokio::spawn({
+            let hop = hop.clone();
+            async move { hop.call(req(3)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let gave_up = tokio::time::timeout(Duration::from_micros(100), hop.call(req(5))).await;
+        assert!(gave_up.is_err(), "the second waited for the place");
+        assert_eq!(first.await.unwrap().unwrap().value, 30);
+        assert_eq!(hop.call(req(2)).await.unwrap().value, 20);
+        assert_eq!(
+            read.load(Ordering::SeqCst),
+            2,
+            "the abandoned request went out"
+        );
     }
 
     #[tokio::test]

@@ -10,15 +10,18 @@
 //! layers) as a call per request or per batch does; a busy one still
 //! shares writes, as HTTP/2 coalesces the frames that queue up.
 //!
-//! The ingest's inserts into storage use it ([`crate::storage`]). The
-//! gateway's sends to the shards do not: a stream lets every send reach the
-//! shard at once, where under a slow database they wait and come back
-//! refused; the gateway's batches in flight (see [`crate::batch`] and
-//! [`crate::ingest`]) hold them back instead.
+//! The gateway's sends to the shards ([`crate::ingest`]) and the ingest's
+//! inserts into storage ([`crate::storage`]) use it. A stream lets every
+//! request it is handed reach the server at once, so what bounds the work
+//! in flight is the caller's: the gateway's admission (its limit by time,
+//! and the held sends behind it) for sends, the ingest's database limit for
+//! inserts.
 
 mod client;
 mod server;
+pub mod window;
 
 pub use client::{HopAnswers, HopCall, HopLimits, StreamHop};
 pub use server::answer_each;
 pub use tokio_stream::wrappers::ReceiverStream;
+pub use window::WindowLimits;

@@ -1,0 +1,170 @@
+//! How many requests a [`super::StreamHop`] keeps unanswered: fixed, or
+//! adaptive (AIMD, as TCP's congestion window) when the server's answers
+//! can say it is overloaded ([`super::HopCall::is_pushback`]).
+//!
+//! The adaptive window starts small and grows only while it is used (every
+//! place taken when an answer comes back): by one per good answer up to the
+//! size it was last cut to (slow start, so a busy hop finds its size within
+//! a few round trips), by one per window's worth of good answers beyond it.
+//! A pushback answer to a request sent after the last cut halves it, down
+//! to its floor; answers to requests sent before the cut say nothing new.
+//! Requests beyond the window wait in the caller's process, bounded by
+//! their callers' deadlines, rather than at a server that would refuse
+//! them.
+
+/// The window's bounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowLimits {
+    /// Requests unanswered allowed at start.
+    pub initial: usize,
+    /// Pushback never takes the window below this.
+    pub min: usize,
+    /// The window never grows above this.
+    pub max: usize,
+}
+
+impl WindowLimits {
+    /// A window that stays at `size`.
+    pub fn fixed(size: usize) -> Self {
+        Self {
+            initial: size,
+            min: size,
+            max: size,
+        }
+    }
+}
+
+#[derive(Debug)]
+pub(super) struct Window {
+    size: f64,
+    min: f64,
+    max: f64,
+    /// Slow start below this.
+    threshold: f64,
+    /// The last tag sent when the window was last cut.
+    cut_at: u64,
+}
+
+impl Window {
+    pub(super) fn new(limits: WindowLimits) -> Self {
+        let max = limits.max.max(1) as f64;
+        let min = (limits.min.max(1) as f64).min(max);
+        Self {
+            size: (limits.initial as f64).clamp(min, max),
+            min,
+            max,
+            threshold: max,
+            cut_at: 0,
+        }
+    }
+
+    /// Whether one more request may go with `in_flight` unanswered.
+    pub(super) fn has_room(&self, in_flight: usize) -> bool {
+        in_flight < self.places()
+    }
+
+    fn places(&self) -> usize {
+        self.size as usize
+    }
+
+    /// A good answer came back while `in_flight` were unanswered (itself
+    /// included).
+    pub(super) fn answered(&mut self, in_flight: usize) {
+        if in_flight < self.places() {
+            // Not every place was taken: nothing says it is too small.
+            return;
+        }
+        let step = if self.size < self.threshold {
+            1.0
+        } else {
+            1.0 / self.size
+        };
+        self.size = (self.size + step).min(self.max);
+    }
+
+    /// A pushback answer to the request tagged `tag`; `last_sent` is the
+    /// newest tag sent.
+    pub(super) fn pushed_back(&mut self, tag: u64, last_sent: u64) {
+        if tag <= self.cut_at {
+            return;
+        }
+        self.size = (self.size / 2.0).max(self.min);
+        self.threshold = self.size;
+        self.cut_at = last_sent;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn adaptive() -> Window {
+        Window::new(WindowLimits {
+            initial: 64,
+            min: 16,
+            max: 1024,
+        })
+    }
+
+    #[test]
+    fn a_fixed_window_stays_at_its_size() {
+        let mut window = Window::new(WindowLimits::fixed(8));
+        for tag in 1..100 {
+            window.answered(8);
+            window.pushed_back(tag, tag);
+        }
+        assert!(window.has_room(7));
+        assert!(!window.has_room(8));
+    }
+
+    #[test]
+    fn it_grows_only_while_every_place_is_taken() {
+        let mut window = adaptive();
+        for _ in 0..1000 {
+            window.answered(10);
+        }
+        assert!(
+            !window.has_room(64),
+            "a hop using 10 of 64 places kept growing"
+        );
+        // Used: slow start, one place per good answer.
+        for _ in 0..36 {
+            window.answered(window.places());
+        }
+        assert_eq!(window.places(), 100);
+        for _ in 0..10_000 {
+            window.answered(window.places());
+        }
+        assert_eq!(window.places(), 1024, "capped at its most");
+    }
+
+    #[test]
+    fn pushback_halves_it_once_per_round_trip_down_to_its_floor() {
+        let mut window = adaptive();
+        // Requests 1..=64 are out; the first refusals cut it once.
+        window.pushed_back(3, 64);
+        window.pushed_back(5, 64);
+        window.pushed_back(64, 64);
+        assert_eq!(window.places(), 32);
+        // A refusal of a request sent after the cut cuts again.
+        window.pushed_back(65, 80);
+        assert_eq!(window.places(), 16);
+        window.pushed_back(81, 90);
+        assert_eq!(window.places(), 16, "not below its floor");
+    }
+
+    #[test]
+    fn after_a_cut_it_grows_by_about_one_per_window_of_good_answers() {
+        let mut window = adaptive();
+        window.pushed_back(1, 64);
+        assert_eq!(window.places(), 32);
+        for _ in 0..32 {
+            window.answered(window.places());
+        }
+        assert_eq!(window.places(), 32, "{window:?}");
+        for _ in 0..32 {
+            window.answered(window.places());
+        }
+        assert_eq!(window.places(), 33, "{window:?}");
+    }
+}
