@@ -3,9 +3,11 @@
 //! decided. Which shard a send goes to is the gateway's business, and so is
 //! how many go at once: the gateway's admission (its limit by time and the
 //! held sends behind it) decides what enters, and each shard's stream keeps
-//! an adaptive window ([`SEND_WINDOW`], see [`crate::stream::window`]): a
-//! shard that answers `overloaded` or `deadline_exceeded` (its database
-//! limit is full, or the send's time ran out there) halves it, and the sends
+//! an adaptive window ([`SEND_WINDOW`], see [`crate::stream::window`]): it
+//! grows while full only on ACKs, and a shard that answers `overloaded`,
+//! `deadline_exceeded` or `unavailable` (its database limit is full, the
+//! send's time ran out there, or its database is out of reach) halves it;
+//! the sends
 //! beyond it wait in the gateway, bounded by their deadlines, instead of in
 //! the shard's queue for a database place, from which they would come back
 //! refused and be sent again.
@@ -80,9 +82,15 @@ impl HopCall for SendStreamCall {
             Some(send_response::Result::Error(e))
                 if matches!(
                     e.code(),
-                    pb::ErrorCode::Overloaded | pb::ErrorCode::DeadlineExceeded
+                    pb::ErrorCode::Overloaded
+                        | pb::ErrorCode::DeadlineExceeded
+                        | pb::ErrorCode::Unavailable
                 )
         )
+    }
+
+    fn is_success(answer: &pb::SendResponse) -> bool {
+        matches!(&answer.result, Some(send_response::Result::Ack(_)))
     }
 }
 
@@ -167,25 +175,27 @@ mod tests {
     }
 
     #[test]
-    fn a_shard_out_of_room_or_time_pushes_back_and_nothing_else_does() {
-        assert!(SendStreamCall::is_pushback(&refusal(
-            pb::ErrorCode::Overloaded
-        )));
-        assert!(SendStreamCall::is_pushback(&refusal(
-            pb::ErrorCode::DeadlineExceeded
-        )));
-        // The database down, a bad send or a reused ID say nothing about
-        // how many sends the shard can take.
+    fn a_shard_out_of_room_time_or_reach_pushes_back_and_only_acks_grow_the_window() {
         for code in [
+            pb::ErrorCode::Overloaded,
+            pb::ErrorCode::DeadlineExceeded,
             pb::ErrorCode::Unavailable,
+        ] {
+            assert!(SendStreamCall::is_pushback(&refusal(code)), "{code:?}");
+            assert!(!SendStreamCall::is_success(&refusal(code)), "{code:?}");
+        }
+        // A bad send or a reused ID says nothing about how many sends the
+        // shard can take, either way.
+        for code in [
             pb::ErrorCode::InvalidArgument,
             pb::ErrorCode::IdReused,
             pb::ErrorCode::Internal,
         ] {
             assert!(!SendStreamCall::is_pushback(&refusal(code)), "{code:?}");
+            assert!(!SendStreamCall::is_success(&refusal(code)), "{code:?}");
         }
-        assert!(!SendStreamCall::is_pushback(&answer(
-            send_response::Result::Ack(pb::Ack::default())
-        )));
+        let ack = answer(send_response::Result::Ack(pb::Ack::default()));
+        assert!(!SendStreamCall::is_pushback(&ack));
+        assert!(SendStreamCall::is_success(&ack));
     }
 }

@@ -69,6 +69,13 @@ pub trait HopCall: Send + Sync + 'static {
     fn is_pushback(_answer: &Self::Resp) -> bool {
         false
     }
+
+    /// Whether `answer` shows the server doing its work (an adaptive window
+    /// that is full may then grow); every answer, unless a hop says
+    /// otherwise. An answer neither pushback nor success leaves it as it is.
+    fn is_success(_answer: &Self::Resp) -> bool {
+        true
+    }
 }
 
 struct Item<Req, Resp> {
@@ -183,7 +190,7 @@ async fn drive<C: HopCall>(
                         let tag = C::tag(&answer);
                         if C::is_pushback(&answer) {
                             window.pushed_back(tag, next_tag);
-                        } else {
+                        } else if C::is_success(&answer) {
                             window.answered(waiting.len());
                         }
                         match waiting.remove(&tag) {
