@@ -38,11 +38,13 @@ use crate::{
 /// The window of sends unanswered per shard: it starts at 64 (the ingest's
 /// initial database limit), grows while it is used, up to 1,024 (what a
 /// shard reads of one stream at once), and a shard's pushback takes it down
-/// to 16 at the least.
+/// to 16 at the least; a pushback at 16 stops new sends to the shard for a
+/// quarter of a second.
 pub const SEND_WINDOW: WindowLimits = WindowLimits {
     initial: 64,
     min: 16,
     max: 1024,
+    rest: Duration::from_millis(250),
 };
 
 /// Opens `SendStream` for the [`StreamHop`] of sends.

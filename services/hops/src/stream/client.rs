@@ -178,6 +178,10 @@ async fn drive<C: HopCall>(
         send(first, &mut waiting, &mut next_tag);
         let mut last_answer = Instant::now();
         let mut open = true;
+        // Armed only after a pushback at the window's floor.
+        let rest = tokio::time::sleep(std::time::Duration::ZERO);
+        tokio::pin!(rest);
+        let mut resting = false;
         // Checked a few times per `stall`, not armed per request.
         let mut check = tokio::time::interval(limits.stall / 4);
         check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -189,7 +193,10 @@ async fn drive<C: HopCall>(
                         last_answer = Instant::now();
                         let tag = C::tag(&answer);
                         if C::is_pushback(&answer) {
-                            window.pushed_back(tag, next_tag);
+                            if let Some(pause) = window.pushed_back(tag, next_tag) {
+                                rest.as_mut().reset(Instant::now() + pause);
+                                resting = true;
+                            }
                         } else if C::is_success(&answer) {
                             window.answered(waiting.len());
                         }
@@ -202,7 +209,8 @@ async fn drive<C: HopCall>(
                     Some(Err(e)) => break e,
                     None => break Error::unavailable("the stream ended"),
                 },
-                item = incoming.recv(), if open && window.has_room(waiting.len()) => match item {
+                () = &mut rest, if resting => resting = false,
+                item = incoming.recv(), if open && !resting && window.has_room(waiting.len()) => match item {
                     Some(item) => {
                         if waiting.is_empty() {
                             last_answer = Instant::now();
@@ -428,6 +436,7 @@ mod tests {
                 initial: 8,
                 min: 2,
                 max: 8,
+                rest: Duration::ZERO,
             },
             ..limits(8)
         };
@@ -439,6 +448,38 @@ mod tests {
         assert!(
             (1..=2).contains(&late),
             "{late} unanswered at once after the refusals"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn refusals_at_the_floor_pause_new_requests_for_the_rest() {
+        let limits = |rest| HopLimits {
+            window: WindowLimits {
+                initial: 8,
+                min: 2,
+                max: 8,
+                rest,
+            },
+            ..limits(8)
+        };
+        let took = |rest| async move {
+            let hop = StreamHop::spawn(limits(rest), Fake::new(Behaviour::Refuse));
+            let started = Instant::now();
+            let answers = join_all((0..100).map(|i| hop.call(req(i)))).await;
+            assert!(answers.iter().all(|a| a.as_ref().is_ok_and(|a| a.refused)));
+            started.elapsed()
+        };
+        // Refused in 1 ms each, two at a time once at the floor: quick
+        // without a rest; with one of 50 ms, some forty rests.
+        let without = took(Duration::ZERO).await;
+        let with = took(Duration::from_millis(50)).await;
+        assert!(
+            without < Duration::from_millis(100),
+            "{without:?} without a rest"
+        );
+        assert!(
+            with > Duration::from_secs(1),
+            "{with:?} with a rest of 50 ms"
         );
     }
 

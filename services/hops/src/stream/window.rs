@@ -10,7 +10,12 @@
 //! to its floor; answers to requests sent before the cut say nothing new.
 //! Requests beyond the window wait in the caller's process, bounded by
 //! their callers' deadlines, rather than at a server that would refuse
-//! them.
+//! them. A pushback while the window is already at its floor (the server
+//! refuses even the fewest, as one whose database is out of reach does at
+//! once) also stops new requests for `rest`: a fast refusal would otherwise
+//! free its place at once, and the window would hold nothing back.
+
+use std::time::Duration;
 
 /// The window's bounds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,6 +26,8 @@ pub struct WindowLimits {
     pub min: usize,
     /// The window never grows above this.
     pub max: usize,
+    /// How long to send nothing more after a pushback at the floor.
+    pub rest: Duration,
 }
 
 impl WindowLimits {
@@ -30,6 +37,7 @@ impl WindowLimits {
             initial: size,
             min: size,
             max: size,
+            rest: Duration::ZERO,
         }
     }
 }
@@ -43,6 +51,7 @@ pub(super) struct Window {
     threshold: f64,
     /// The last tag sent when the window was last cut.
     cut_at: u64,
+    rest: Duration,
 }
 
 impl Window {
@@ -55,6 +64,7 @@ impl Window {
             max,
             threshold: max,
             cut_at: 0,
+            rest: limits.rest,
         }
     }
 
@@ -83,14 +93,15 @@ impl Window {
     }
 
     /// A pushback answer to the request tagged `tag`; `last_sent` is the
-    /// newest tag sent.
-    pub(super) fn pushed_back(&mut self, tag: u64, last_sent: u64) {
-        if tag <= self.cut_at {
-            return;
+    /// newest tag sent. Returns how long to send nothing more, if at all.
+    pub(super) fn pushed_back(&mut self, tag: u64, last_sent: u64) -> Option<Duration> {
+        let at_floor = self.size <= self.min;
+        if tag > self.cut_at {
+            self.size = (self.size / 2.0).max(self.min);
+            self.threshold = self.size;
+            self.cut_at = last_sent;
         }
-        self.size = (self.size / 2.0).max(self.min);
-        self.threshold = self.size;
-        self.cut_at = last_sent;
+        (at_floor && !self.rest.is_zero()).then_some(self.rest)
     }
 }
 
@@ -103,6 +114,7 @@ mod tests {
             initial: 64,
             min: 16,
             max: 1024,
+            rest: Duration::from_millis(250),
         })
     }
 
@@ -111,7 +123,7 @@ mod tests {
         let mut window = Window::new(WindowLimits::fixed(8));
         for tag in 1..100 {
             window.answered(8);
-            window.pushed_back(tag, tag);
+            assert_eq!(window.pushed_back(tag, tag), None);
         }
         assert!(window.has_room(7));
         assert!(!window.has_room(8));
@@ -142,15 +154,18 @@ mod tests {
     fn pushback_halves_it_once_per_round_trip_down_to_its_floor() {
         let mut window = adaptive();
         // Requests 1..=64 are out; the first refusals cut it once.
-        window.pushed_back(3, 64);
+        assert_eq!(window.pushed_back(3, 64), None);
         window.pushed_back(5, 64);
         window.pushed_back(64, 64);
         assert_eq!(window.places(), 32);
         // A refusal of a request sent after the cut cuts again.
-        window.pushed_back(65, 80);
+        assert_eq!(window.pushed_back(65, 80), None);
         assert_eq!(window.places(), 16);
-        window.pushed_back(81, 90);
+        // At the floor, every refusal (even of a request sent before the
+        // last cut) says to rest.
+        assert_eq!(window.pushed_back(81, 90), Some(Duration::from_millis(250)));
         assert_eq!(window.places(), 16, "not below its floor");
+        assert_eq!(window.pushed_back(70, 90), Some(Duration::from_millis(250)));
     }
 
     #[test]
