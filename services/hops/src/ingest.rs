@@ -14,7 +14,6 @@
 
 use std::time::Duration;
 
-use futures_util::StreamExt;
 use imdedup_domain::{
     Error, ErrorKind,
     model::{Ack, NewMessage},
@@ -32,7 +31,9 @@ use tonic::transport::{Channel, Endpoint};
 
 use crate::{
     MAX_BATCH_MESSAGE_BYTES,
-    stream::{HopAnswers, HopCall, HopLimits, ReceiverStream, StreamHop, WindowLimits},
+    stream::{
+        HopAnswers, HopCall, HopLimits, ReceiverStream, StreamHop, WindowLimits, grpc_answers,
+    },
 };
 
 /// The window of sends unanswered per shard: it starts at 64 (the ingest's
@@ -60,14 +61,8 @@ impl HopCall for SendStreamCall {
         &self,
         requests: ReceiverStream<pb::SendRequest>,
     ) -> Result<HopAnswers<pb::SendResponse>, Error> {
-        let answers = self
-            .client
-            .clone()
-            .send_stream(requests)
-            .await
-            .map_err(from_status)?
-            .into_inner();
-        Ok(Box::pin(answers.map(|answer| answer.map_err(from_status))))
+        let answers = self.client.clone().send_stream(requests).await;
+        Ok(grpc_answers(answers.map_err(from_status)?.into_inner()))
     }
 
     fn set_tag(request: &mut pb::SendRequest, tag: u64) {

@@ -16,7 +16,7 @@ use std::{
 
 use imdedup_runtime::tls::{self, InternalTls};
 
-use crate::stream::{HopAnswers, HopCall, HopLimits, ReceiverStream, StreamHop};
+use crate::stream::{HopAnswers, HopCall, HopLimits, ReceiverStream, StreamHop, grpc_answers};
 
 use imdedup_domain::{
     Error, ErrorKind,
@@ -25,7 +25,6 @@ use imdedup_domain::{
 };
 
 use async_trait::async_trait;
-use futures_util::StreamExt;
 use imdedup_proto::convert;
 use imdedup_proto::status::from_status;
 use imdedup_proto::v1::{self as pb, insert_result, storage_service_client::StorageServiceClient};
@@ -94,7 +93,7 @@ impl HopCall for InsertStreamCall {
             }
             Err(status) => return Err(from_status(status)),
         };
-        Ok(Box::pin(answers.map(|answer| answer.map_err(from_status))))
+        Ok(grpc_answers(answers))
     }
 
     fn set_tag(request: &mut pb::InsertOnceRequest, tag: u64) {

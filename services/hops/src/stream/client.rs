@@ -18,6 +18,7 @@ use tokio::{
 use tokio_stream::wrappers::ReceiverStream;
 
 use imdedup_domain::{Error, ErrorKind};
+use imdedup_proto::status::from_status;
 
 use super::window::{Window, WindowLimits};
 
@@ -46,6 +47,12 @@ impl Default for HopLimits {
 
 /// The answers of one open stream; an `Err` or its end closes it.
 pub type HopAnswers<Resp> = Pin<Box<dyn Stream<Item = Result<Resp, Error>> + Send>>;
+
+/// A gRPC call's stream of answers as [`HopAnswers`], its statuses as our
+/// errors.
+pub fn grpc_answers<Resp: Send + 'static>(answers: tonic::Streaming<Resp>) -> HopAnswers<Resp> {
+    Box::pin(answers.map(|answer| answer.map_err(from_status)))
+}
 
 /// How a [`StreamHop`] opens its stream and matches answers to requests.
 pub trait HopCall: Send + Sync + 'static {
@@ -203,7 +210,7 @@ async fn drive<C: HopCall>(
                         match waiting.remove(&tag) {
                             // The caller may have given up waiting.
                             Some(reply) => drop(reply.send(Ok(answer))),
-                            None => tracing::warn!(tag = C::tag(&answer), "a stream answered an unknown tag"),
+                            None => tracing::warn!(tag, "a stream answered an unknown tag"),
                         }
                     }
                     Some(Err(e)) => break e,

@@ -11,17 +11,16 @@
 //! shares writes, as HTTP/2 coalesces the frames that queue up.
 //!
 //! The gateway's sends to the shards ([`crate::ingest`]) and the ingest's
-//! inserts into storage ([`crate::storage`]) use it. A stream lets every
-//! request it is handed reach the server at once, so what bounds the work
-//! in flight is the caller's: the gateway's admission (its limit by time,
-//! and the held sends behind it) for sends, the ingest's database limit for
-//! inserts.
+//! inserts into storage ([`crate::storage`]) use it. What a hop has
+//! unanswered is bounded by its window ([`window`]): adaptive for the
+//! gateway's sends, which a shard can push back on; fixed for inserts,
+//! which the ingest's database limit bounds before they reach the hop.
 
 mod client;
 mod server;
 pub mod window;
 
-pub use client::{HopAnswers, HopCall, HopLimits, StreamHop};
+pub use client::{HopAnswers, HopCall, HopLimits, StreamHop, grpc_answers};
 pub use server::answer_each;
 pub use tokio_stream::wrappers::ReceiverStream;
 pub use window::WindowLimits;
