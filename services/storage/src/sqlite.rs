@@ -2,14 +2,20 @@
 //! (sender, client_msg_id), WAL with `synchronous=FULL`, and group commit.
 //!
 //! One writer thread owns the write connection. It takes every insert that
-//! is waiting (up to `max_batch`), runs them in one transaction, each inside
-//! its own savepoint, commits once (one fsync for the batch), and only then
-//! answers each caller. With a `commit_delay`, a batch that is not full
-//! waits that long for more inserts first: at low rates, where inserts do
-//! not queue, it trades that much latency for fewer transactions and
-//! fsyncs. An insert is still answered only after its commit. A repeat
-//! rolls back its savepoint, so it never spends a seq. Reads use a small
-//! pool of separate connections.
+//! is waiting (up to `max_batch`), runs them in one transaction, commits
+//! once (one fsync for the batch), and only then answers each caller. With
+//! a `commit_delay`, a batch that is not full waits that long for more
+//! inserts first: at low rates, where inserts do not queue, it trades that
+//! much latency for fewer transactions and fsyncs. An insert is still
+//! answered only after its commit.
+//!
+//! An insert is one statement: its seq is one more than the highest of its
+//! conversation (read from the `(conversation, seq)` key under the
+//! transaction's write lock), so a repeat, which fails on the unique key,
+//! has changed nothing (SQLite undoes only the failed statement) and never
+//! spends a seq. Files written before this kept the last seq in a
+//! `conversations` table as well; it is left as it is and no longer
+//! written. Reads use a small pool of separate connections.
 
 use std::{
     path::{Path, PathBuf},
@@ -43,10 +49,6 @@ CREATE TABLE IF NOT EXISTS messages (
     UNIQUE (sender, client_msg_id),
     UNIQUE (conversation, seq)
 );
-CREATE TABLE IF NOT EXISTS conversations (
-    conversation TEXT    PRIMARY KEY,
-    last_seq     INTEGER NOT NULL
-) WITHOUT ROWID;
 ";
 
 const COLUMNS: &str = "sender, client_msg_id, conversation, body, server_id, seq, stored_at_ms";
@@ -219,25 +221,19 @@ fn run_writer(
     tracing::debug!("sqlite writer stopped");
 }
 
-/// One transaction for the whole batch; a per-message savepoint so that a
+/// One transaction for the whole batch. Each insert is one statement, so a
 /// repeat (or a per-message failure) undoes only its own work.
 fn write_batch(
     conn: &mut Connection,
     batch: &[WriteJob],
 ) -> rusqlite::Result<Vec<Result<Insert, Error>>> {
-    let mut tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
     let now_ms = unix_millis();
     let mut results = Vec::with_capacity(batch.len());
     for job in batch {
-        let mut savepoint = tx.savepoint()?;
-        match insert_one(&savepoint, &job.message, now_ms) {
-            Ok(stored) => {
-                savepoint.commit()?;
-                results.push(Ok(Insert::Stored(stored)));
-            }
+        match insert_one(&tx, &job.message, now_ms) {
+            Ok(stored) => results.push(Ok(Insert::Stored(stored))),
             Err(e) if is_unique_violation(&e) => {
-                savepoint.rollback()?;
-                drop(savepoint);
                 let original = select_by_key(&tx, &job.message.key)?;
                 results.push(match original {
                     Some(row) => Ok(Insert::AlreadyStored(row)),
@@ -246,10 +242,11 @@ fn write_batch(
                     ))),
                 });
             }
-            Err(e) => {
-                savepoint.rollback()?;
-                results.push(Err(sql_error(e)));
-            }
+            // Some failures (a full disk, an I/O error) end the whole
+            // transaction: then the batch fails as one, rather than running
+            // the rest outside it.
+            Err(e) if tx.is_autocommit() => return Err(e),
+            Err(e) => results.push(Err(sql_error(e))),
         }
     }
     tx.commit()?;
@@ -261,13 +258,14 @@ fn insert_one(
     message: &NewMessage,
     now_ms: i64,
 ) -> rusqlite::Result<StoredMessage> {
-    let seq: i64 = conn
+    // The writer holds the write lock, so nobody else takes this seq.
+    let last: Option<i64> = conn
         .prepare_cached(
-            "INSERT INTO conversations (conversation, last_seq) VALUES (?1, 1)
-             ON CONFLICT (conversation) DO UPDATE SET last_seq = last_seq + 1
-             RETURNING last_seq",
+            "SELECT seq FROM messages WHERE conversation = ?1 ORDER BY seq DESC LIMIT 1",
         )?
-        .query_row(params![message.conversation.as_str()], |row| row.get(0))?;
+        .query_row(params![message.conversation.as_str()], |row| row.get(0))
+        .optional()?;
+    let seq = last.unwrap_or(0) + 1;
     conn.prepare_cached(
         "INSERT INTO messages (sender, client_msg_id, conversation, seq, body, stored_at_ms)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
@@ -531,6 +529,42 @@ mod tests {
             Some(0.0),
             "{text}"
         );
+    }
+
+    /// A repeat in the middle of a batch fails alone: the inserts around it
+    /// in the same transaction are stored, and it spends no seq.
+    #[tokio::test]
+    async fn a_repeat_inside_a_batch_spends_no_seq_and_fails_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut options = SqliteOptions::new(dir.path().join("messages.db"));
+        options.commit_delay = Duration::from_millis(200);
+        let store = Arc::new(SqliteStore::open(&options).unwrap());
+        store.insert_once(message("m0")).await.unwrap();
+
+        let inserts: Vec<_> = ["m1", "m0", "m1", "m2"]
+            .into_iter()
+            .map(|id| {
+                let store = Arc::clone(&store);
+                tokio::spawn(async move { store.insert_once(message(id)).await.unwrap() })
+            })
+            .collect();
+        let mut stored = Vec::new();
+        let mut repeats = Vec::new();
+        for insert in inserts {
+            match insert.await.unwrap() {
+                Insert::Stored(row) => stored.push(row.receipt.seq),
+                Insert::AlreadyStored(row) => repeats.push(row.receipt.seq),
+            }
+        }
+        stored.sort_unstable();
+        repeats.sort_unstable();
+        assert_eq!(stored, [2, 3], "m1 and m2, after m0's 1");
+        assert_eq!(repeats.len(), 2, "m0 and m1's second copy");
+        let query = HistoryQuery::new(ConversationId::parse("ana-ben").unwrap(), 0, 10).unwrap();
+        let seqs: Vec<u64> = (store.history(&query).await.unwrap().iter())
+            .map(|row| row.receipt.seq)
+            .collect();
+        assert_eq!(seqs, [1, 2, 3]);
     }
 
     #[tokio::test]
