@@ -118,6 +118,9 @@ pub struct Gateway {
     resends: Arc<InFlightSends>,
     /// Sends admitted, to sample the admission gauges now and then.
     admitted: AtomicU64,
+    /// Sends refused by the admission, to sample the shards' windows now
+    /// and then while nothing is admitted.
+    refusals: AtomicU64,
     /// Bytes of held sends the gateway may keep (permits are bytes).
     held_bytes: Arc<Semaphore>,
     metrics: GatewayMetrics,
@@ -180,6 +183,7 @@ impl Gateway {
             }),
             resends: InFlightSends::new(),
             admitted: AtomicU64::new(0),
+            refusals: AtomicU64::new(0),
             held_bytes: Arc::new(Semaphore::new(
                 config.limits.max_held_bytes.min(Semaphore::MAX_PERMITS),
             )),
@@ -253,6 +257,7 @@ impl Gateway {
         {
             self.metrics
                 .set_admission(self.admission.limit(), self.admission.booked());
+            self.metrics.set_shard_windows(self.shards.windows());
         }
         match self.resends.lead(key) {
             Ok(leader) => Ok(AdmittedSend::Lead { pass, leader }),
@@ -340,6 +345,14 @@ impl Gateway {
         self.metrics.limited("in_flight");
         self.metrics
             .set_admission(self.admission.limit(), self.admission.booked());
+        if self
+            .refusals
+            .fetch_add(1, Ordering::Relaxed)
+            .is_multiple_of(256)
+        {
+            // Builds each shard's labels: not on every refusal.
+            self.metrics.set_shard_windows(self.shards.windows());
+        }
         Error::overloaded(
             "the gateway is busy; not stored: resend with the same id after retry_after_ms",
             refusal.retry_after(),

@@ -36,6 +36,7 @@ pub struct GatewayMetrics {
     send_errors: Family<CodeLabels, Counter>,
     ack_duration: Histogram,
     shard_up: Family<ShardLabels, Gauge>,
+    shard_window: Family<ShardLabels, Gauge>,
     limited: Family<ReasonLabels, Counter>,
     resends_joined: Counter,
     sends_queued: Counter,
@@ -65,6 +66,7 @@ impl Default for GatewayMetrics {
             send_errors: Family::default(),
             ack_duration: duration_histogram(),
             shard_up: Family::default(),
+            shard_window: Family::default(),
             limited: Family::default(),
             resends_joined: Counter::default(),
             sends_queued: Counter::default(),
@@ -145,6 +147,11 @@ impl GatewayMetrics {
             "imdedup_gateway_shard_up",
             "1 when the link to the ingest shard works, 0 when it failed last",
             m.shard_up.clone(),
+        );
+        registry.register(
+            "imdedup_gateway_shard_window",
+            "Sends the gateway lets unanswered by the ingest shard now (adaptive: halved when the shard pushes back; the rest wait in the gateway)",
+            m.shard_window.clone(),
         );
         m
     }
@@ -239,6 +246,17 @@ impl GatewayMetrics {
             .set(i64::from(up));
     }
 
+    /// Set each shard's window: `(shard, sends it may have unanswered)`.
+    pub fn set_shard_windows<'a>(&self, windows: impl Iterator<Item = (&'a str, usize)>) {
+        for (shard, size) in windows {
+            self.shard_window
+                .get_or_create(&ShardLabels {
+                    shard: shard.to_owned(),
+                })
+                .set(i64::try_from(size).unwrap_or(i64::MAX));
+        }
+    }
+
     /// Judge the link to `shard` by the result of one send to it: any answer
     /// (an ACK, or an error the shard sent) means it works; `unavailable`
     /// means it failed; a deadline says nothing about the link.
@@ -266,6 +284,7 @@ mod tests {
         gateway.send_answered(Ok(Outcome::Stored), Duration::from_millis(3));
         gateway.send_answered(Err(ErrorKind::InvalidArgument), Duration::from_millis(1));
         gateway.shard_replied("http://a", Err(ErrorKind::Unavailable));
+        gateway.set_shard_windows([("shard-0", 64), ("shard-1", 16)].into_iter());
 
         let text = render(&registry);
         assert_samples(
@@ -290,6 +309,16 @@ mod tests {
                     1.0,
                 ),
                 ("imdedup_gateway_shard_up", &[("shard", "http://a")], 0.0),
+                (
+                    "imdedup_gateway_shard_window",
+                    &[("shard", "shard-0")],
+                    64.0,
+                ),
+                (
+                    "imdedup_gateway_shard_window",
+                    &[("shard", "shard-1")],
+                    16.0,
+                ),
             ],
         );
         assert!(text.contains("# TYPE imdedup_gateway_ack_duration_seconds histogram\n"));

@@ -39,6 +39,14 @@ impl Shards {
         &self.map
     }
 
+    /// Each shard's name and how many sends it may have unanswered now
+    /// (its adaptive window).
+    pub fn windows(&self) -> impl Iterator<Item = (&str, usize)> {
+        (self.map.shards().iter())
+            .zip(&self.clients)
+            .map(|(shard, client)| (shard.name.as_str(), client.window()))
+    }
+
     /// Send `message` to the shard that owns its conversation, within
     /// `timeout`. Also returns that shard's metric label.
     pub async fn send(&self, message: NewMessage, timeout: Duration) -> (&str, Result<Ack, Error>) {

@@ -120,6 +120,12 @@ impl IngestClient {
         })
     }
 
+    /// How many sends may be unanswered by this shard now (the adaptive
+    /// window; sends beyond it wait in this process).
+    pub fn window(&self) -> usize {
+        self.sends.window()
+    }
+
     /// Send `message` to this shard; its answer within `timeout`.
     pub async fn send(&self, message: NewMessage, timeout: Duration) -> Result<Ack, Error> {
         let request = pb::SendRequest {

@@ -8,7 +8,16 @@
 //! requests wait. A request that never left (the stream did not open) fails
 //! with the opening's error, `unavailable` when it took longer than `stall`.
 
-use std::{collections::HashMap, future::Future, pin::Pin, time::Duration};
+use std::{
+    collections::HashMap,
+    future::Future,
+    pin::Pin,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
 
 use futures_util::{Stream, StreamExt};
 use tokio::{
@@ -93,12 +102,15 @@ struct Item<Req, Resp> {
 /// Sends requests over one open stream; see the module docs.
 pub struct StreamHop<C: HopCall> {
     queue: mpsc::Sender<Item<C::Req, C::Resp>>,
+    /// The window's size now, as the stream's task last set it.
+    window: Arc<AtomicUsize>,
 }
 
 impl<C: HopCall> Clone for StreamHop<C> {
     fn clone(&self) -> Self {
         Self {
             queue: self.queue.clone(),
+            window: Arc::clone(&self.window),
         }
     }
 }
@@ -108,8 +120,15 @@ impl<C: HopCall> StreamHop<C> {
     /// dropped. Must be called inside a Tokio runtime.
     pub fn spawn(limits: HopLimits, call: C) -> Self {
         let (queue, incoming) = mpsc::channel(limits.queue.max(1));
-        tokio::spawn(drive(limits, incoming, call));
-        Self { queue }
+        let window = Arc::new(AtomicUsize::new(Window::new(limits.window).places()));
+        tokio::spawn(drive(limits, incoming, call, Arc::clone(&window)));
+        Self { queue, window }
+    }
+
+    /// How many requests may be unanswered now (the adaptive window's size;
+    /// requests beyond it wait).
+    pub fn window(&self) -> usize {
+        self.window.load(Ordering::Relaxed)
     }
 
     /// Send `request` and wait for its answer.
@@ -134,6 +153,7 @@ async fn drive<C: HopCall>(
     limits: HopLimits,
     mut incoming: mpsc::Receiver<Item<C::Req, C::Resp>>,
     call: C,
+    size: Arc<AtomicUsize>,
 ) {
     let mut window = Window::new(limits.window);
     let mut next_tag = 0_u64;
@@ -207,6 +227,7 @@ async fn drive<C: HopCall>(
                         } else if C::is_success(&answer) {
                             window.answered(waiting.len());
                         }
+                        size.store(window.places(), Ordering::Relaxed);
                         match waiting.remove(&tag) {
                             // The caller may have given up waiting.
                             Some(reply) => drop(reply.send(Ok(answer))),
@@ -448,9 +469,11 @@ mod tests {
             ..limits(8)
         };
         let hop = StreamHop::spawn(limits, fake);
+        assert_eq!(hop.window(), 8, "the window reports its start");
         let answers = join_all((0..100).map(|i| hop.call(req(i)))).await;
         assert!(answers.iter().all(|a| a.as_ref().is_ok_and(|a| a.refused)));
         assert_eq!(most.load(Ordering::SeqCst), 8, "the window starts at 8");
+        assert_eq!(hop.window(), 2, "and reports its floor");
         let late = late.load(Ordering::SeqCst);
         assert!(
             (1..=2).contains(&late),

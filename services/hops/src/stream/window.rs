@@ -73,7 +73,8 @@ impl Window {
         in_flight < self.places()
     }
 
-    fn places(&self) -> usize {
+    /// The window's size: how many requests may be unanswered.
+    pub(super) fn places(&self) -> usize {
         self.size as usize
     }
 
