@@ -428,6 +428,24 @@ mod tests {
         }
     }
 
+    /// A store in a temporary directory whose writer waits `delay` to
+    /// gather a batch (kept with the directory it lives in).
+    fn store_gathering_for(delay: Duration) -> (tempfile::TempDir, Arc<SqliteStore>) {
+        let dir = tempfile::tempdir().unwrap();
+        let mut options = SqliteOptions::new(dir.path().join("messages.db"));
+        options.commit_delay = delay;
+        let store = Arc::new(SqliteStore::open(&options).unwrap());
+        (dir, store)
+    }
+
+    /// The seqs of conversation `ana-ben`'s history, in order.
+    async fn seqs(store: &SqliteStore) -> Vec<u64> {
+        let query = HistoryQuery::new(ConversationId::parse("ana-ben").unwrap(), 0, 10).unwrap();
+        (store.history(&query).await.unwrap().iter())
+            .map(|row| row.receipt.seq)
+            .collect()
+    }
+
     /// Files written before the dedup-off demonstration left this store
     /// had a `copy` column inside the unique key; a copy was stored under the
     /// same key with `copy` above 0.
@@ -464,11 +482,7 @@ mod tests {
             .unwrap();
         let store = SqliteStore::open(&SqliteOptions::new(&path)).unwrap();
 
-        let query = HistoryQuery::new(ConversationId::parse("ana-ben").unwrap(), 0, 10).unwrap();
-        let seqs: Vec<u64> = (store.history(&query).await.unwrap().iter())
-            .map(|row| row.receipt.seq)
-            .collect();
-        assert_eq!(seqs, [1, 2, 3], "every row, the copy too");
+        assert_eq!(seqs(&store).await, [1, 2, 3], "every row, the copy too");
         // A key stored before, copies and all, answers with its first row.
         let first = Receipt {
             server_id: 1,
@@ -491,7 +505,7 @@ mod tests {
             Insert::Stored(row) => assert_eq!(row.receipt.seq, 4),
             other => panic!("{other:?}"),
         }
-        assert_eq!(store.history(&query).await.unwrap().len(), 4);
+        assert_eq!(seqs(&store).await.len(), 4);
     }
 
     #[tokio::test]
@@ -535,10 +549,7 @@ mod tests {
     /// in the same transaction are stored, and it spends no seq.
     #[tokio::test]
     async fn a_repeat_inside_a_batch_spends_no_seq_and_fails_alone() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut options = SqliteOptions::new(dir.path().join("messages.db"));
-        options.commit_delay = Duration::from_millis(200);
-        let store = Arc::new(SqliteStore::open(&options).unwrap());
+        let (_dir, store) = store_gathering_for(Duration::from_millis(200));
         store.insert_once(message("m0")).await.unwrap();
 
         let inserts: Vec<_> = ["m1", "m0", "m1", "m2"]
@@ -560,19 +571,12 @@ mod tests {
         repeats.sort_unstable();
         assert_eq!(stored, [2, 3], "m1 and m2, after m0's 1");
         assert_eq!(repeats.len(), 2, "m0 and m1's second copy");
-        let query = HistoryQuery::new(ConversationId::parse("ana-ben").unwrap(), 0, 10).unwrap();
-        let seqs: Vec<u64> = (store.history(&query).await.unwrap().iter())
-            .map(|row| row.receipt.seq)
-            .collect();
-        assert_eq!(seqs, [1, 2, 3]);
+        assert_eq!(seqs(&store).await, [1, 2, 3]);
     }
 
     #[tokio::test]
     async fn a_commit_delay_gathers_a_message_and_its_resend_into_one_commit() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut options = SqliteOptions::new(dir.path().join("messages.db"));
-        options.commit_delay = Duration::from_millis(200);
-        let store = Arc::new(SqliteStore::open(&options).unwrap());
+        let (_dir, store) = store_gathering_for(Duration::from_millis(200));
 
         let started = Instant::now();
         let first = tokio::spawn({

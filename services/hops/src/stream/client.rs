@@ -120,9 +120,13 @@ impl<C: HopCall> StreamHop<C> {
     /// dropped. Must be called inside a Tokio runtime.
     pub fn spawn(limits: HopLimits, call: C) -> Self {
         let (queue, incoming) = mpsc::channel(limits.queue.max(1));
-        let window = Arc::new(AtomicUsize::new(Window::new(limits.window).places()));
-        tokio::spawn(drive(limits, incoming, call, Arc::clone(&window)));
-        Self { queue, window }
+        let window = Window::new(limits.window);
+        let size = Arc::new(AtomicUsize::new(window.places()));
+        tokio::spawn(drive(limits, window, incoming, call, Arc::clone(&size)));
+        Self {
+            queue,
+            window: size,
+        }
     }
 
     /// How many requests may be unanswered now (the adaptive window's size;
@@ -151,11 +155,11 @@ type Waiting<Resp> = HashMap<u64, oneshot::Sender<Result<Resp, Error>>>;
 
 async fn drive<C: HopCall>(
     limits: HopLimits,
+    mut window: Window,
     mut incoming: mpsc::Receiver<Item<C::Req, C::Resp>>,
     call: C,
     size: Arc<AtomicUsize>,
 ) {
-    let mut window = Window::new(limits.window);
     let mut next_tag = 0_u64;
     let mut waiting: Waiting<C::Resp> = HashMap::new();
     // A stream opens for the first request after none was open.
