@@ -129,8 +129,10 @@ pub struct SecondFigures {
     pub goodput: u64,
     pub tries: u64,
     pub refused: u64,
-    /// p99 latency of the messages due in this second, in ms (gave-ups
-    /// count as infinitely late).
+    /// p50 and p99 latency of the messages due in this second, in ms
+    /// (gave-ups count as infinitely late): a slow p99 with a fast p50 is
+    /// a few messages held back, a slow p50 is the whole second waiting.
+    pub p50_ms: f64,
     pub p99_ms: f64,
     /// The services' CPU in this second, in cores, and per ACK reaching a
     /// phone in it, in µs (with `--admin`; between the samples nearest the
@@ -177,11 +179,16 @@ pub struct Figures {
 
 /// p99 of `latencies` in ms, `None` counting as infinite.
 fn p99_ms(latencies: &mut [Option<Duration>]) -> f64 {
+    quantile_ms(latencies, 0.99)
+}
+
+/// Quantile `q` of `latencies` in ms, `None` counting as infinite.
+fn quantile_ms(latencies: &mut [Option<Duration>], q: f64) -> f64 {
     if latencies.is_empty() {
         return 0.0;
     }
     latencies.sort_by_key(|l| l.unwrap_or(Duration::MAX));
-    let index = ((latencies.len() - 1) as f64 * 0.99).round() as usize;
+    let index = ((latencies.len() - 1) as f64 * q).round() as usize;
     latencies[index].map_or(f64::INFINITY, |l| l.as_secs_f64() * 1000.0)
 }
 
@@ -230,7 +237,8 @@ impl Figures {
                     goodput: goodput[s],
                     tries,
                     refused,
-                    p99_ms: p99_ms(&mut due[s].clone()),
+                    p50_ms: quantile_ms(&mut due[s], 0.5),
+                    p99_ms: p99_ms(&mut due[s]),
                     services_cores,
                     services_us: services_cores
                         .filter(|_| goodput[s] > 0)
@@ -319,8 +327,17 @@ impl Figures {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "overload: per second  {:>4}  {:<11} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8}",
-            "t", "phase", "offered", "goodput", "tries", "refused", "p99 ms", "svc cores", "µs/ACK"
+            "overload: per second  {:>4}  {:<11} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>8}",
+            "t",
+            "phase",
+            "offered",
+            "goodput",
+            "tries",
+            "refused",
+            "p50 ms",
+            "p99 ms",
+            "svc cores",
+            "µs/ACK"
         );
         let figure = |v: Option<f64>, digits: usize| {
             v.map_or_else(|| "-".to_owned(), |v| format!("{v:.digits$}"))
@@ -328,13 +345,14 @@ impl Figures {
         for s in &self.seconds {
             let _ = writeln!(
                 out,
-                "overload: per second  {:>4}  {:<11} {:>8} {:>8} {:>8} {:>8} {:>9.0} {:>9} {:>8}",
+                "overload: per second  {:>4}  {:<11} {:>8} {:>8} {:>8} {:>8} {:>9.0} {:>9.0} {:>9} {:>8}",
                 s.second,
                 s.phase,
                 s.offered,
                 s.goodput,
                 s.tries,
                 s.refused,
+                s.p50_ms,
                 s.p99_ms,
                 figure(s.services_cores, 2),
                 figure(s.services_us, 0)
@@ -459,6 +477,10 @@ mod tests {
         assert_eq!(figures.phase("3x").unwrap().gave_up, 1);
         let after = figures.phase("after 1.5x").unwrap();
         assert_eq!(after.recovered_after_s, Some(0.0));
+        // Per second, the p50 and p99 of the messages due in it.
+        let (base, surge) = (&figures.seconds[0], &figures.seconds[2]);
+        assert_eq!((base.p50_ms, base.p99_ms), (10.0, 10.0));
+        assert_eq!((surge.p50_ms, surge.p99_ms), (1500.0, 1500.0));
         assert!(figures.render().lines().last().unwrap().starts_with(
             "overload: capacity 100/s; at 1.5x goodput 150% of C, tries 2.00, gave up 0; at 3x"
         ));

@@ -59,6 +59,11 @@ pub const HELD_BACK: &str = "held_back";
 /// How long [`Client::send`] and [`Client::history`] wait for a reply.
 pub const DEFAULT_REPLY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// Held-back IDs kept before those not tried for [`HELD_IDS_KEPT`] are
+/// forgotten (then again at twice what is left).
+const HELD_IDS_PRUNE_AT: usize = 4096;
+const HELD_IDS_KEPT: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// An ACK as the phone sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AckReply {
@@ -140,6 +145,11 @@ struct Pending {
     throttle: Option<Throttle>,
     /// Sends held back by the throttle.
     held_back: u64,
+    /// The IDs of sends held back and not written since, with when they
+    /// were last held back: a try of one of them is not a new request.
+    held_ids: HashMap<Vec<u8>, std::time::Instant>,
+    /// Size of `held_ids` at which the stale are forgotten next.
+    held_ids_prune_at: usize,
 }
 
 /// How the gateway closed a connection: the WebSocket close code (1001 going
@@ -400,12 +410,25 @@ impl Client {
     /// Whether the throttle holds back this send of `id`, and its answer.
     fn hold_back(&self, id: &[u8]) -> Option<ErrorReply> {
         let mut pending = self.lock();
+        let pending = &mut *pending;
         let throttle = pending.throttle.as_mut()?;
         let now = std::time::Instant::now();
-        if !throttle.hold_back(now, rand::random()) {
+        let again = pending.held_ids.contains_key(id);
+        if !throttle.hold_back(now, rand::random(), again) {
+            if again {
+                pending.held_ids.remove(id);
+            }
             return None;
         }
         let wait = throttle.wait(now, rand::random_range(0.5..=1.5));
+        if pending.held_ids.len() >= pending.held_ids_prune_at.max(HELD_IDS_PRUNE_AT) {
+            // Sends their callers stopped trying.
+            pending
+                .held_ids
+                .retain(|_, at| now.saturating_duration_since(*at) < HELD_IDS_KEPT);
+            pending.held_ids_prune_at = 2 * pending.held_ids.len();
+        }
+        pending.held_ids.insert(id.to_vec(), now);
         pending.held_back += 1;
         Some(ErrorReply {
             id: Some(id.to_vec()),

@@ -4,7 +4,8 @@
 //! its capacity is not also made to read, decode and refuse them.
 //!
 //! Over the last few seconds the phone counts its *requests* (every send it
-//! wanted to make, held back or not) and the sends the gateway *accepted*
+//! wanted to make, held back or not, once however often it is held back)
+//! and the sends the gateway *accepted*
 //! (sent and not answered `overloaded`; a `queued` send is accepted). A new
 //! send is held back with probability
 //!
@@ -36,15 +37,16 @@ use std::time::{Duration, Instant};
 /// seconds (the book's 2 minutes suit a server's steady stream of calls).
 const BUCKET: Duration = Duration::from_secs(2);
 
-/// A send held back is tried again about when the gateway last asked a
-/// refused send to come back (its appointments measure how far the backlog
-/// reaches): what is left of that wait, not the whole of it again, since a
-/// hint given seconds ago has partly run. This much when it asked for none
-/// or its time has passed; stretched by ±50% so that the sends held back
-/// together do not come back together.
+/// A send held back is tried again soon: after what is left of the wait
+/// the gateway last asked for, but never more than this, stretched by ±50%
+/// so that the sends held back together do not come back together. Trying
+/// again is the phone's own decision, which costs no frame, while a wait
+/// as long as the gateway's appointments (up to 20 s at the end of a 3x
+/// surge) outlived the surge: new messages held back in its last seconds
+/// waited 20-30 s while the gateway served new sends in 60 ms. Also the
+/// hold-back's own duration when a refusal asked for no wait.
 const DEFAULT_WAIT: Duration = Duration::from_secs(1);
 const MIN_WAIT: Duration = Duration::from_millis(200);
-const MAX_WAIT: Duration = Duration::from_secs(30);
 
 #[derive(Debug)]
 pub(crate) struct Throttle {
@@ -81,12 +83,17 @@ impl Throttle {
         }
     }
 
-    /// A new send is wanted: whether to hold it back (`draw` is uniform in
-    /// [0, 1)). Counted either way.
-    pub(crate) fn hold_back(&mut self, now: Instant, draw: f64) -> bool {
+    /// A send is wanted: whether to hold it back (`draw` is uniform in
+    /// [0, 1)). Counted either way, as a request only the first time:
+    /// `again` is a send held back before and tried again, and counting
+    /// each try would raise the chance with every wait a held-back send
+    /// sits out, holding sends back long after the gateway accepts again.
+    pub(crate) fn hold_back(&mut self, now: Instant, draw: f64, again: bool) -> bool {
         self.rotate(now);
         let held = draw < self.chance(now);
-        self.current.requests += 1;
+        if !again {
+            self.current.requests += 1;
+        }
         if !held {
             self.current.sent += 1;
         }
@@ -104,14 +111,14 @@ impl Throttle {
     }
 
     /// How long a send held back now waits before it is tried again
-    /// (`stretch` is uniform in [0.5, 1.5]).
+    /// (`stretch` is uniform in [0.5, 1.5]): see [`DEFAULT_WAIT`].
     pub(crate) fn wait(&self, now: Instant, stretch: f64) -> Duration {
         self.come_back_at
             .map(|at| at.saturating_duration_since(now))
             .filter(|left| !left.is_zero())
-            .unwrap_or(DEFAULT_WAIT)
+            .map_or(DEFAULT_WAIT, |left| left.min(DEFAULT_WAIT))
             .mul_f64(stretch)
-            .clamp(MIN_WAIT, MAX_WAIT)
+            .max(MIN_WAIT)
     }
 
     /// The chance that a new send is held back now: none once the last
@@ -157,7 +164,7 @@ mod tests {
         let mut sent = 0;
         for i in 0..n {
             let draw = (f64::from(i) * 0.618_033_988_7).fract();
-            if !throttle.hold_back(now, draw) {
+            if !throttle.hold_back(now, draw, false) {
                 sent += 1;
                 if sent > accepts {
                     throttle.refused(now, Some(hint));
@@ -250,23 +257,48 @@ mod tests {
     }
 
     #[test]
-    fn a_send_held_back_waits_about_until_the_gateway_last_asked() {
+    fn a_send_held_back_is_tried_again_within_about_a_second() {
         let start = Instant::now();
         let mut throttle = Throttle::new(2.0, start);
         assert_eq!(throttle.wait(start, 1.0), DEFAULT_WAIT);
+        // A gateway booking appointments 8 s out: the phone asks its
+        // throttle again within a second (±50%), not after 8 s.
         throttle.refused(start, Some(Duration::from_secs(8)));
-        throttle.refused(start, None);
-        assert_eq!(throttle.wait(start, 0.5), Duration::from_secs(4));
-        assert_eq!(throttle.wait(start, 1.5), Duration::from_secs(12));
-        // Six seconds later two are left of that wait, not eight again.
-        let later = start + Duration::from_secs(6);
-        assert_eq!(throttle.wait(later, 1.0), Duration::from_secs(2));
+        assert_eq!(throttle.wait(start, 0.5), DEFAULT_WAIT / 2);
+        assert_eq!(throttle.wait(start, 1.5), DEFAULT_WAIT.mul_f64(1.5));
+        // Less than that left of the wait asked for: what is left.
+        let later = start + Duration::from_millis(7_600);
+        assert_eq!(throttle.wait(later, 1.0), Duration::from_millis(400));
         // Once its time has passed, the default.
         let past = start + Duration::from_secs(9);
         assert_eq!(throttle.wait(past, 1.0), DEFAULT_WAIT);
-        throttle.refused(start, Some(Duration::from_secs(90)));
-        assert_eq!(throttle.wait(start, 1.0), MAX_WAIT);
+        // Never shorter than the floor.
+        throttle.refused(start, Some(Duration::from_millis(10)));
+        assert_eq!(throttle.wait(start, 0.5), MIN_WAIT);
         throttle.refused(start, Some(Duration::ZERO));
         assert_eq!(throttle.wait(start, 1.0), DEFAULT_WAIT);
+    }
+
+    #[test]
+    fn a_send_held_back_again_is_not_a_new_request() {
+        let start = Instant::now();
+        let counted_once = &mut Throttle::new(2.0, start);
+        let counted_each_time = &mut Throttle::new(2.0, start);
+        for throttle in [&mut *counted_once, &mut *counted_each_time] {
+            round(throttle, start, 100, 10);
+        }
+        let before = counted_once.chance(start);
+        assert!(before > 0.0);
+        // The held-back sends are tried again (and held back again) ten
+        // times each while the gateway's wait runs.
+        let later = start + Duration::from_millis(500);
+        for _ in 0..10 {
+            for _ in 0..50 {
+                counted_once.hold_back(later, 0.0, true);
+                counted_each_time.hold_back(later, 0.0, false);
+            }
+        }
+        assert_eq!(counted_once.chance(later), before);
+        assert!(counted_each_time.chance(later) > before);
     }
 }
