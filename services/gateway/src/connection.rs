@@ -245,7 +245,7 @@ impl Connection {
     /// its budget for held sends and the user's rate.
     async fn hold(&mut self, reply: Reply, cmd: SendCmd, hold: Held) {
         let turn = self.order.next(&cmd.conversation);
-        let promoted = self.held.hold(&cmd.conversation, hold.wait);
+        let promoted = self.held.hold(&cmd.conversation);
         let queued = Outbound::Queued {
             id: cmd.id.clone(),
             id_b64: cmd.id_b64,
@@ -356,61 +356,50 @@ impl Reply {
 /// The sends this connection holds for their appointments.
 #[derive(Default)]
 struct HeldSends {
-    /// Per conversation with held sends: the appointment of its latest, and
-    /// the signal that moves them ahead of the backlog.
-    until: HashMap<String, HeldIn>,
-    /// Size of `until` at which the past appointments are forgotten next.
+    /// Per conversation with held sends, the signal that moves them ahead
+    /// of the backlog; each of its held sends still waiting for a place
+    /// holds a clone (see [`HeldSends::waiting`]).
+    promote: HashMap<String, Arc<Notify>>,
+    /// Size of `promote` at which the conversations without held sends are
+    /// forgotten next.
     prune_at: usize,
     /// Cancelled when the connection ends: held sends not started yet are
     /// answered `unavailable` then.
     closing: CancellationToken,
 }
 
-/// A conversation's held sends, on one connection.
-struct HeldIn {
-    /// The appointment of its latest held send.
-    until: tokio::time::Instant,
-    /// Each of its held sends still waiting for a place listens: notified,
-    /// they move ahead of the backlog.
-    promote: Arc<Notify>,
-}
-
 impl HeldSends {
-    /// Whether a send of `conversation` is held and not due yet.
+    /// Whether a send of `conversation` is held and still waits for a
+    /// place, whether or not its appointment has come: a send behind it
+    /// must then be held too. Taken in, it would wait for that send's turn
+    /// holding a place of the limit, and sends waiting like that, once
+    /// they hold every place, leave none for the held sends they wait for
+    /// (on Redis + Cassandra at 3x the capacity every send in flight waited
+    /// so and nothing was answered for a minute).
     fn waiting(&self, conversation: &str) -> bool {
-        self.until
+        self.promote
             .get(conversation)
-            .is_some_and(|held| held.until > tokio::time::Instant::now())
+            .is_some_and(|promote| Arc::strong_count(promote) > 1)
     }
 
-    /// Hold a send of `conversation` with its appointment `wait` from now;
-    /// the signal it listens to for promotion.
-    fn hold(&mut self, conversation: &str, wait: Duration) -> Arc<Notify> {
-        let now = tokio::time::Instant::now();
-        // Kept while a send of it may still wait for a place.
-        prune(&mut self.until, &mut self.prune_at, |_, held| {
-            held.until > now || Arc::strong_count(&held.promote) > 1
+    /// Hold a send of `conversation`: the signal it listens to for
+    /// promotion, to keep until its place comes.
+    fn hold(&mut self, conversation: &str) -> Arc<Notify> {
+        prune(&mut self.promote, &mut self.prune_at, |_, promote| {
+            Arc::strong_count(promote) > 1
         });
-        let held = self
-            .until
-            .entry(conversation.to_owned())
-            .or_insert_with(|| HeldIn {
-                until: now,
-                promote: Arc::default(),
-            });
-        held.until = now + wait;
-        Arc::clone(&held.promote)
+        Arc::clone(self.promote.entry(conversation.to_owned()).or_default())
     }
 
     /// A new send of `conversation` came: while the backlog drains, its
     /// held sends go ahead of the backlog, so that this one does not wait
     /// behind all of it.
     fn promote_if_draining(&self, conversation: &str, gateway: &Gateway) {
-        if let Some(held) = self.until.get(conversation)
-            && Arc::strong_count(&held.promote) > 1
+        if self.waiting(conversation)
             && gateway.draining()
+            && let Some(promote) = self.promote.get(conversation)
         {
-            held.promote.notify_waiters();
+            promote.notify_waiters();
         }
     }
 }
@@ -447,6 +436,9 @@ async fn serve_held(
             }
         }
     };
+    // No longer waiting for a place: a new send of the conversation may
+    // take one and wait for this send's turn.
+    drop(promote);
     // Tens of thousands wait here in a surge, each a task: the send's own
     // state (2 KB of gRPC call) is allocated when its place comes, not for
     // the whole wait (632 bytes a held task instead of 2,560).
@@ -818,6 +810,24 @@ mod tests {
         drop(first);
         let after = tokio::time::timeout(Duration::from_secs(5), &mut waiting).await;
         assert!(after.is_ok(), "goes once it is answered");
+    }
+
+    /// A held send whose appointment passed while the gateway was behind
+    /// still waits for a place, so a new send of its conversation must be
+    /// held behind it (not take a place and wait for its turn there); once
+    /// its place came, a new send may go.
+    #[test]
+    fn a_held_send_holds_back_its_conversation_until_its_place_comes() {
+        let mut held = HeldSends::default();
+        assert!(!held.waiting("dm:ana:bo"));
+        let listening = held.hold("dm:ana:bo");
+        assert!(held.waiting("dm:ana:bo"));
+        assert!(!held.waiting("dm:ana:carl"));
+        let second = held.hold("dm:ana:bo");
+        drop(listening);
+        assert!(held.waiting("dm:ana:bo"), "one of its sends still waits");
+        drop(second);
+        assert!(!held.waiting("dm:ana:bo"));
     }
 
     /// A gateway whose backends are never reached.
