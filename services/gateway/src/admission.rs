@@ -63,7 +63,8 @@
 //! behind a held send of its conversation still waits for it, so while
 //! the backlog drains that conversation's held sends go first
 //! ([`Admission::hold_urgent`]): ahead of the rest of the backlog, up to
-//! twice the limit.
+//! twice the limit, each once the one before it is answered (the caller's
+//! rule), so that none holds a place while it waits for its turn.
 //!
 //! Appointments are by (sender, message ID), hashed: another connection of
 //! the same phone with the same message keeps the same turn, and a hash
@@ -306,8 +307,9 @@ impl Admission {
 
     /// Hold the send of (`sender`, `id`) ahead of the backlog, up to twice
     /// the limit: while the backlog drains, for the held sends of a
-    /// conversation that a new send waits behind (it gives up any ticket
-    /// it held: that waiter is dropped from the queue as it comes up).
+    /// conversation that a new send waits behind, each once the send
+    /// before it was answered (it gives up any ticket it held: that
+    /// waiter is dropped from the queue as it comes up).
     pub fn hold_urgent(self: &Arc<Self>, sender: &str, id: &[u8]) -> Ticket {
         self.enqueue(sender, id, Duration::ZERO, true)
     }
@@ -355,6 +357,12 @@ impl Admission {
     /// The limit now.
     pub fn limit(&self) -> usize {
         self.lock().aimd.limit()
+    }
+
+    /// Sends holding a place now.
+    #[cfg(test)]
+    pub(crate) fn in_flight(&self) -> usize {
+        self.lock().in_flight
     }
 
     /// Appointments given out and not kept yet (held sends included).

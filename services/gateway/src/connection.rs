@@ -418,10 +418,12 @@ async fn serve_held(
 ) {
     let Held {
         mut ticket,
-        mut urgent,
+        mut promoted,
         leader,
         ..
     } = hold;
+    let Turn { mut after, done } = turn;
+    let mut urgent = false;
     let placed = loop {
         tokio::select! {
             () = closing.cancelled() => break Err(Error::unavailable(
@@ -429,13 +431,19 @@ async fn serve_held(
             )),
             pass = ticket.place() => break pass.ok_or_else(|| reply.gateway.held_too_long()),
             // Its conversation has a new send while the backlog drains:
-            // ahead of the backlog (the old ticket, dropped, leaves it).
-            () = promote.notified(), if !urgent => {
+            // ahead of the backlog,
+            () = promote.notified(), if !promoted => promoted = true,
+            // once the sends before it are answered (the old ticket,
+            // dropped, leaves the queue). Ahead of them it would take a
+            // place and wait for their turn in it, and sends waiting so,
+            // once they hold every place, leave none for those before them.
+            () = answered(&mut after), if promoted && !urgent => {
                 ticket = reply.gateway.hold_urgent(&sender, &cmd.id);
                 urgent = true;
             }
         }
     };
+    let turn = Turn { after, done };
     // No longer waiting for a place: a new send of the conversation may
     // take one and wait for this send's turn.
     drop(promote);
@@ -553,6 +561,15 @@ fn prune<V>(
         map.retain(keep);
         *prune_at = map.len().saturating_mul(2).max(PRUNE_FROM);
     }
+}
+
+/// Wait until the send before (if any) is answered; `after` is `None`
+/// from then on.
+async fn answered(after: &mut Option<oneshot::Receiver<()>>) {
+    if let Some(before) = after.as_mut() {
+        let _ = before.await;
+    }
+    *after = None;
 }
 
 impl Turn {
@@ -901,6 +918,72 @@ mod tests {
         );
     }
 
+    /// While the backlog drains, a held send moved ahead of it asks for a
+    /// place only once the send before it in its conversation is
+    /// answered: sooner, it would hold a place while it waits for that
+    /// send, and sends waiting so, once they hold every place, leave none
+    /// for the sends they wait for.
+    #[tokio::test]
+    async fn a_promoted_held_send_takes_a_place_only_after_the_send_before_it() {
+        let gateway = gateway(crate::limits::Limits {
+            max_sends_in_flight: 1,
+            ..crate::limits::Limits::default()
+        });
+        let taken = gateway.admission.admit("x", b"0").expect("the place");
+        let (out, mut replies) = mpsc::channel(4);
+        let reply = Reply {
+            gateway: Arc::clone(&gateway),
+            out,
+            encoding: Encoding::Json,
+            read_at: Instant::now(),
+        };
+        let cmd = SendCmd {
+            id: b"m-2".to_vec(),
+            id_b64: false,
+            conversation: "dm:ana:bo".to_owned(),
+            body: "hello".to_owned(),
+            queue: true,
+        };
+        let appointment = Duration::from_secs(30);
+        let held = Held {
+            ticket: gateway.admission.hold("ana", &cmd.id, appointment),
+            wait: appointment,
+            promoted: false,
+            leader: None,
+            _budget: Arc::clone(&gateway.held_bytes)
+                .try_acquire_many_owned(1)
+                .expect("budget"),
+        };
+        let mut order = SendOrder::default();
+        let before = order.next(&cmd.conversation);
+        let turn = order.next(&cmd.conversation);
+        let promote = Arc::new(Notify::new());
+        let sender = Sender::parse("ana").expect("a sender");
+        tokio::spawn(serve_held(
+            reply,
+            sender,
+            cmd,
+            held,
+            turn,
+            CancellationToken::new(),
+            Arc::clone(&promote),
+        ));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        promote.notify_waiters();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(
+            gateway.admission.in_flight(),
+            1,
+            "no place while the send before it is not answered"
+        );
+        drop(before);
+        // Ahead of the backlog now: answered (the backends here are never
+        // reached) long before its appointment.
+        let answered = tokio::time::timeout(Duration::from_secs(10), replies.recv()).await;
+        assert!(matches!(answered, Ok(Some(_))), "answered within 10 s");
+        drop(taken);
+    }
+
     /// In a surge the gateway holds tens of thousands of sends, each a
     /// task, and a held send's memory is what a surge grows by: its task
     /// must not carry the gRPC send's state while it waits.
@@ -926,7 +1009,7 @@ mod tests {
                 .admission
                 .hold("ana", &cmd.id, Duration::from_secs(1)),
             wait: Duration::from_secs(1),
-            urgent: false,
+            promoted: false,
             leader: None,
             _budget: Arc::clone(&gateway.held_bytes)
                 .try_acquire_many_owned(1)

@@ -144,8 +144,9 @@ pub(crate) struct Held {
     pub ticket: Ticket,
     /// Until its appointment.
     pub wait: Duration,
-    /// Held ahead of the backlog ([`Admission::hold_urgent`]).
-    pub urgent: bool,
+    /// To go ahead of the backlog ([`Admission::hold_urgent`]) once the
+    /// sends of its conversation before it are answered.
+    pub promoted: bool,
     /// Its answer goes to the copies that join it.
     pub leader: Option<Leader>,
     _budget: OwnedSemaphorePermit,
@@ -244,8 +245,8 @@ impl Gateway {
                 // Behind a held send of its conversation while the backlog
                 // drains: that conversation goes first (the connection
                 // promotes its held sends), and this send with it.
-                let urgent = behind_held && self.admission.draining();
-                return self.hold(sender, cmd, key, retry_after, urgent);
+                let promoted = behind_held && self.admission.draining();
+                return self.hold(sender, cmd, key, retry_after, promoted);
             }
             Err(refusal) => return Err(self.refused(refusal)),
         };
@@ -277,7 +278,7 @@ impl Gateway {
         cmd: &SendCmd,
         key: resends::SendKey,
         wait: Duration,
-        urgent: bool,
+        promoted: bool,
     ) -> Result<AdmittedSend, Error> {
         self.check_send_rate(sender)?;
         let bytes = held_bytes(cmd);
@@ -292,11 +293,7 @@ impl Gateway {
                 return Ok(AdmittedSend::Join(follower));
             }
         };
-        let mut ticket = if urgent {
-            self.admission.hold_urgent(sender.as_str(), &cmd.id)
-        } else {
-            self.admission.hold(sender.as_str(), &cmd.id, wait)
-        };
+        let mut ticket = self.admission.hold(sender.as_str(), &cmd.id, wait);
         if let Some(pass) = ticket.ready() {
             // A place was free for it (the gateway is far from its limit):
             // no need to hold it.
@@ -306,7 +303,7 @@ impl Gateway {
         Ok(AdmittedSend::Held(Held {
             ticket,
             wait,
-            urgent,
+            promoted,
             leader,
             _budget: budget,
         }))
