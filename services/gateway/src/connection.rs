@@ -395,9 +395,9 @@ impl HeldSends {
     /// held sends go ahead of the backlog, so that this one does not wait
     /// behind all of it.
     fn promote_if_draining(&self, conversation: &str, gateway: &Gateway) {
-        if self.waiting(conversation)
+        if let Some(promote) = self.promote.get(conversation)
+            && Arc::strong_count(promote) > 1
             && gateway.draining()
-            && let Some(promote) = self.promote.get(conversation)
         {
             promote.notify_waiters();
         }
@@ -918,6 +918,38 @@ mod tests {
         );
     }
 
+    /// A send of ana's held for `wait`, its reply going to the receiver.
+    fn held_send(
+        gateway: &Arc<Gateway>,
+        id: &[u8],
+        wait: Duration,
+    ) -> (Reply, mpsc::Receiver<Message>, SendCmd, Held) {
+        let (out, replies) = mpsc::channel(4);
+        let reply = Reply {
+            gateway: Arc::clone(gateway),
+            out,
+            encoding: Encoding::Json,
+            read_at: Instant::now(),
+        };
+        let cmd = SendCmd {
+            id: id.to_vec(),
+            id_b64: false,
+            conversation: "dm:ana:bo".to_owned(),
+            body: "hello".to_owned(),
+            queue: true,
+        };
+        let held = Held {
+            ticket: gateway.admission.hold("ana", id, wait),
+            wait,
+            promoted: false,
+            leader: None,
+            _budget: Arc::clone(&gateway.held_bytes)
+                .try_acquire_many_owned(1)
+                .expect("budget"),
+        };
+        (reply, replies, cmd, held)
+    }
+
     /// While the backlog drains, a held send moved ahead of it asks for a
     /// place only once the send before it in its conversation is
     /// answered: sooner, it would hold a place while it waits for that
@@ -930,30 +962,7 @@ mod tests {
             ..crate::limits::Limits::default()
         });
         let taken = gateway.admission.admit("x", b"0").expect("the place");
-        let (out, mut replies) = mpsc::channel(4);
-        let reply = Reply {
-            gateway: Arc::clone(&gateway),
-            out,
-            encoding: Encoding::Json,
-            read_at: Instant::now(),
-        };
-        let cmd = SendCmd {
-            id: b"m-2".to_vec(),
-            id_b64: false,
-            conversation: "dm:ana:bo".to_owned(),
-            body: "hello".to_owned(),
-            queue: true,
-        };
-        let appointment = Duration::from_secs(30);
-        let held = Held {
-            ticket: gateway.admission.hold("ana", &cmd.id, appointment),
-            wait: appointment,
-            promoted: false,
-            leader: None,
-            _budget: Arc::clone(&gateway.held_bytes)
-                .try_acquire_many_owned(1)
-                .expect("budget"),
-        };
+        let (reply, mut replies, cmd, held) = held_send(&gateway, b"m-2", Duration::from_secs(30));
         let mut order = SendOrder::default();
         let before = order.next(&cmd.conversation);
         let turn = order.next(&cmd.conversation);
@@ -990,31 +999,7 @@ mod tests {
     #[tokio::test]
     async fn a_held_send_waits_in_a_small_task() {
         let gateway = gateway(crate::limits::Limits::default());
-        let (out, _replies) = mpsc::channel(1);
-        let reply = Reply {
-            gateway: Arc::clone(&gateway),
-            out,
-            encoding: Encoding::Json,
-            read_at: Instant::now(),
-        };
-        let cmd = SendCmd {
-            id: b"m-1".to_vec(),
-            id_b64: false,
-            conversation: "dm:ana:bo".to_owned(),
-            body: "hello".to_owned(),
-            queue: true,
-        };
-        let held = Held {
-            ticket: gateway
-                .admission
-                .hold("ana", &cmd.id, Duration::from_secs(1)),
-            wait: Duration::from_secs(1),
-            promoted: false,
-            leader: None,
-            _budget: Arc::clone(&gateway.held_bytes)
-                .try_acquire_many_owned(1)
-                .expect("budget"),
-        };
+        let (reply, _replies, cmd, held) = held_send(&gateway, b"m-1", Duration::from_secs(1));
         let turn = SendOrder::default().next(&cmd.conversation);
         let sender = Sender::parse("ana").expect("a sender");
         let waiting = serve_held(
