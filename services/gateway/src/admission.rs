@@ -64,7 +64,12 @@
 //! the backlog drains that conversation's held sends go first
 //! ([`Admission::hold_urgent`]): ahead of the rest of the backlog, up to
 //! twice the limit, each once the one before it is answered (the caller's
-//! rule), so that none holds a place while it waits for its turn.
+//! rule), so that none holds a place while it waits for its turn. Every
+//! send in flight waits at the shards, so a backlog holding the whole
+//! limit would still make a new send wait for all of it; while new sends
+//! are in flight the backlog keeps to a share of the limit that adapts to
+//! their latency against the latency measured before the surge
+//! ([`DrainCap`]).
 //!
 //! Appointments are by (sender, message ID), hashed: another connection of
 //! the same phone with the same message keeps the same turn, and a hash
@@ -233,6 +238,9 @@ impl std::fmt::Debug for Waiter {
 pub struct Pass {
     admission: Arc<Admission>,
     started: Instant,
+    /// Taken by a new send (not a held one, nor a phone back for its
+    /// appointment).
+    new: bool,
     completion: Option<Completion>,
 }
 
@@ -247,6 +255,7 @@ impl Drop for Pass {
         Admission::release(
             &self.admission,
             self.started,
+            self.new,
             Instant::now(),
             self.completion,
         );
@@ -270,14 +279,15 @@ impl Admission {
         let mut rng = rand::rng();
         self.lock()
             .admit(key, now, &self.options, &mut rng)
-            .map(|()| self.pass(now))
+            .map(|new| self.pass(now, new))
     }
 
     /// The place just taken, for a send admitted at `started`.
-    fn pass(self: &Arc<Self>, started: Instant) -> Pass {
+    fn pass(self: &Arc<Self>, started: Instant, new: bool) -> Pass {
         Pass {
             admission: Arc::clone(self),
             started,
+            new,
             completion: None,
         }
     }
@@ -346,7 +356,7 @@ impl Admission {
     /// Hand `waiter` the place taken for it. A held send whose connection
     /// closed just now gives the place back as it is dropped.
     fn give(self: &Arc<Self>, waiter: Waiter, now: Instant) {
-        let _ = waiter.place.send(self.pass(now));
+        let _ = waiter.place.send(self.pass(now, false));
     }
 
     /// How long after its appointment a held send is given up.
@@ -381,10 +391,19 @@ impl Admission {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn release(self: &Arc<Self>, started: Instant, now: Instant, completion: Option<Completion>) {
+    fn release(
+        self: &Arc<Self>,
+        started: Instant,
+        new: bool,
+        now: Instant,
+        completion: Option<Completion>,
+    ) {
         let next = {
             let mut state = self.lock();
             state.in_flight = state.in_flight.saturating_sub(1);
+            if new {
+                state.new_in_flight = state.new_in_flight.saturating_sub(1);
+            }
             if let Some(completion) = completion {
                 let in_flight = state.in_flight + 1;
                 state.completed(started, now, in_flight, completion);
@@ -403,6 +422,10 @@ impl Admission {
 struct State {
     aimd: Aimd,
     in_flight: usize,
+    /// Of those, new sends (see [`Pass`]).
+    new_in_flight: usize,
+    /// The backlog's share of the places while it drains.
+    drain: DrainCap,
     /// What the gateway serves per second when it is full: the pace of
     /// appointments.
     pace: Pace,
@@ -424,6 +447,8 @@ impl State {
         Self {
             aimd: Aimd::new(options),
             in_flight: 0,
+            new_in_flight: 0,
+            drain: DrainCap::new(options.initial as f64),
             pace: Pace::new(now),
             flow: Flow::new(now),
             last_slot: now,
@@ -440,7 +465,7 @@ impl State {
         now: Instant,
         options: &AdmissionOptions,
         rng: &mut impl Rng,
-    ) -> Result<(), Refusal> {
+    ) -> Result<bool, Refusal> {
         let limit = self.aimd.limit();
         let appointment = self.book.get(&key).copied();
         if appointment.is_none() {
@@ -457,11 +482,14 @@ impl State {
             Some(_) | None => self.in_flight < limit,
         };
         if admitted {
-            if appointment.is_some() {
+            let new = appointment.is_none();
+            if new {
+                self.new_in_flight += 1;
+            } else {
                 self.book.remove(&key);
             }
             self.in_flight += 1;
-            return Ok(());
+            return Ok(new);
         }
         match appointment {
             // Early: the same appointment.
@@ -524,11 +552,15 @@ impl State {
     /// and so are those held longer than `stale` (their phones are told).
     fn next_held(&mut self, now: Instant, stale: Duration) -> Option<Waiter> {
         let limit = self.aimd.limit();
-        // Draining, the places above the limit are the new sends'.
-        let room = if self.draining() {
-            limit
-        } else {
+        let draining = self.draining();
+        // Draining, the places above the limit are the new sends', and
+        // while new sends are in flight the backlog keeps below its cap.
+        let room = if !draining {
             limit.saturating_mul(2)
+        } else if self.new_in_flight > 0 {
+            self.drain.room(limit)
+        } else {
+            limit
         };
         let (queue, goes) = if live_front(&mut self.urgent, &mut self.book, now, stale).is_some() {
             // Up to twice the limit, as a phone back for its appointment:
@@ -537,7 +569,7 @@ impl State {
         } else {
             let front = live_front(&mut self.held, &mut self.book, now, stale)?;
             let due = front.due <= now + EARLY && self.in_flight < room;
-            let idle = (self.in_flight as f64) < limit as f64 * PULL_FORWARD;
+            let idle = (self.in_flight as f64) < (limit.min(room) as f64) * PULL_FORWARD;
             (&mut self.held, due || idle)
         };
         if !goes {
@@ -561,6 +593,23 @@ impl State {
         self.flow.answered(now);
         let congested = completion == Completion::Congested || rtt > self.aimd.target;
         self.aimd.update(started, now, in_flight, congested);
+        let limit = self.aimd.limit();
+        if self.draining() {
+            if self.new_in_flight > 0 {
+                let late = completion == Completion::Congested
+                    || self
+                        .drain
+                        .bound(self.aimd.target)
+                        .is_some_and(|bound| rtt > bound);
+                self.drain.update(started, now, late, limit);
+            }
+        } else if completion == Completion::Answered
+            && self.held.is_empty()
+            && self.urgent.is_empty()
+            && in_flight * 2 <= limit
+        {
+            self.drain.calm(rtt);
+        }
     }
 
     /// Whether a backlog is held while new sends arrive slower than the
@@ -732,6 +781,91 @@ impl Flow {
     }
 }
 
+/// How many places the backlog may hold while it drains and new sends are
+/// in flight. New sends go in above the limit then, but every send in
+/// flight is queued at the shards, so a backlog filling the limit makes a
+/// new send wait for all of it: about the limit's worth of sends divided
+/// by what the gateway serves, a hundred milliseconds and more where the
+/// gateway answered in a few before the surge. The cap keeps the queue
+/// short enough for new sends to be answered about as fast as before the
+/// surge: a send answered later than [`DRAIN_LATENCY_FACTOR`] times the
+/// latency measured while the gateway was calm, plus
+/// [`DRAIN_LATENCY_SLACK`], cuts it by a tenth (at most once per round
+/// trip), sends in time grow it by one per round trip. It stays between
+/// [`DRAIN_MIN_SHARE`] of the limit (the backlog always drains) and the
+/// limit. With no new send in flight it does not apply: nobody waits
+/// behind the backlog then.
+#[derive(Debug)]
+struct DrainCap {
+    /// The mean latency, in seconds, of the sends answered while no
+    /// backlog was held and less than half the limit was in flight; `None`
+    /// until one was.
+    calm: Option<f64>,
+    cap: f64,
+    last_cut: Option<Instant>,
+}
+
+/// A new send answered later than this many times the calm latency...
+const DRAIN_LATENCY_FACTOR: f64 = 4.0;
+/// ... plus this waited too long behind the backlog.
+const DRAIN_LATENCY_SLACK: Duration = Duration::from_millis(20);
+/// The least share of the limit the backlog may hold while it drains.
+const DRAIN_MIN_SHARE: f64 = 0.125;
+/// Weight of one calm send's latency in the mean.
+const CALM_WEIGHT: f64 = 1.0 / 256.0;
+
+impl DrainCap {
+    fn new(initial: f64) -> Self {
+        Self {
+            calm: None,
+            cap: initial,
+            last_cut: None,
+        }
+    }
+
+    /// A send answered in `rtt` while the gateway was calm.
+    fn calm(&mut self, rtt: Duration) {
+        let rtt = rtt.as_secs_f64();
+        self.calm = Some(
+            self.calm
+                .map_or(rtt, |mean| mean + CALM_WEIGHT * (rtt - mean)),
+        );
+    }
+
+    /// The latency a send may have while the backlog drains, at most
+    /// `target`; `None` (no cap) before any send was answered calmly.
+    fn bound(&self, target: Duration) -> Option<Duration> {
+        let calm = self.calm?;
+        Some(
+            Duration::from_secs_f64(calm * DRAIN_LATENCY_FACTOR)
+                .saturating_add(DRAIN_LATENCY_SLACK)
+                .min(target),
+        )
+    }
+
+    /// A send admitted at `started` ended at `now`, `late` or not, while
+    /// new sends were in flight behind the draining backlog.
+    fn update(&mut self, started: Instant, now: Instant, late: bool, limit: usize) {
+        let limit = limit as f64;
+        self.cap = self.cap.clamp(limit * DRAIN_MIN_SHARE, limit);
+        if late {
+            if self.last_cut.is_some_and(|cut| started < cut) {
+                return;
+            }
+            self.last_cut = Some(now);
+            self.cap = (self.cap * BACKOFF).max(limit * DRAIN_MIN_SHARE);
+        } else {
+            self.cap = (self.cap + 1.0 / self.cap).min(limit);
+        }
+    }
+
+    /// Places the backlog may hold under `limit`.
+    fn room(&self, limit: usize) -> usize {
+        let limit = limit as f64;
+        self.cap.clamp(limit * DRAIN_MIN_SHARE, limit) as usize
+    }
+}
+
 /// The limit: additive increase per round trip, multiplicative decrease at
 /// most once per round trip, slow start below the threshold.
 #[derive(Debug)]
@@ -825,7 +959,9 @@ mod tests {
         }
 
         fn admit(&mut self, key: u64, now: Instant) -> Result<(), Refusal> {
-            self.state.admit(key, now, &self.options, &mut self.rng)
+            self.state
+                .admit(key, now, &self.options, &mut self.rng)
+                .map(|_| ())
         }
 
         fn done(&mut self, started: Instant, now: Instant) {
@@ -896,6 +1032,7 @@ mod tests {
         assert_eq!(admission.lock().in_flight, 11);
         drop((a, b, c, first));
         assert_eq!(admission.lock().in_flight, 0);
+        assert_eq!(admission.lock().new_in_flight, 0);
         assert_eq!(admission.booked(), 0, "every appointment used or dropped");
     }
 
@@ -928,6 +1065,7 @@ mod tests {
         Pass {
             admission: Admission::new(options(10)),
             started: now,
+            new: false,
             completion: None,
         }
     }
@@ -1011,6 +1149,84 @@ mod tests {
             door.admit(key, now).is_err(),
             "no backlog, no room above the limit"
         );
+    }
+
+    /// How many held sends `state` lets in from none in flight.
+    fn backlog_room(state: &mut State, now: Instant, stale: Duration) -> usize {
+        state.in_flight = 0;
+        let mut taken = 0;
+        while let Some(waiter) = state.next_held(now, stale) {
+            state.hold(waiter, false);
+            taken += 1;
+        }
+        taken
+    }
+
+    #[test]
+    fn new_sends_behind_a_draining_backlog_shrink_its_share_of_the_places() {
+        let stale = Duration::from_secs(30);
+        let mut now = Instant::now();
+        let mut door = Door::new(options(100), now);
+        // Calm: sends answered in 2 ms, a few in flight.
+        for _ in 0..50 {
+            door.state.in_flight += 1;
+            door.done(now - Duration::from_millis(2), now);
+        }
+        let _backlog: Vec<_> = (0..300)
+            .map(|key| held(&mut door.state, 10_000 + key, now))
+            .collect();
+        let mut key = 0;
+        traffic(&mut door, &mut now, &mut key, 8, 5, 10);
+        assert!(door.state.draining());
+        // Nobody new in flight: the backlog may fill the limit.
+        door.state.new_in_flight = 0;
+        assert_eq!(backlog_room(&mut door.state, now, stale), 100);
+        // New sends in flight, answered a round trip of 100 ms each behind
+        // the backlog where 2 ms was the calm: each round cuts the
+        // backlog's places by a tenth, down to an eighth of the limit.
+        door.state.new_in_flight = 1;
+        assert_eq!(backlog_room(&mut door.state, now, stale), 100);
+        for round in 1..=30 {
+            let started = now;
+            now += Duration::from_millis(100);
+            door.state.in_flight = 50;
+            door.done(started, now);
+            // A late send that started before the cut says nothing new.
+            door.state.in_flight = 50;
+            door.done(started, now + Duration::from_millis(1));
+            if round == 5 {
+                assert_eq!(backlog_room(&mut door.state, now, stale), 59);
+            }
+        }
+        assert!(door.state.draining());
+        assert_eq!(backlog_room(&mut door.state, now, stale), 12);
+        // Answered in time again, the share grows back, by about one
+        // place per round trip.
+        for _ in 0..200 {
+            door.state.in_flight = 20;
+            door.done(now - Duration::from_millis(5), now);
+        }
+        let grown = backlog_room(&mut door.state, now, stale);
+        assert!((20..=30).contains(&grown), "{grown}");
+    }
+
+    #[test]
+    fn without_a_calm_latency_the_draining_backlog_keeps_the_limit() {
+        let stale = Duration::from_secs(30);
+        let mut now = Instant::now();
+        let mut door = Door::new(options(100), now);
+        let _backlog: Vec<_> = (0..300)
+            .map(|key| held(&mut door.state, 10_000 + key, now))
+            .collect();
+        let mut key = 0;
+        traffic(&mut door, &mut now, &mut key, 8, 5, 10);
+        door.state.new_in_flight = 1;
+        for _ in 0..10 {
+            let started = now;
+            now += Duration::from_millis(100);
+            door.done(started, now);
+        }
+        assert_eq!(backlog_room(&mut door.state, now, stale), 100);
     }
 
     #[test]
