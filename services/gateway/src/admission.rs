@@ -805,7 +805,8 @@ struct DrainCap {
     last_cut: Option<Instant>,
 }
 
-/// A new send answered later than this many times the calm latency...
+/// A send answered, while new sends are in flight behind the draining
+/// backlog, later than this many times the calm latency...
 const DRAIN_LATENCY_FACTOR: f64 = 4.0;
 /// ... plus this waited too long behind the backlog.
 const DRAIN_LATENCY_SLACK: Duration = Duration::from_millis(20);
