@@ -375,6 +375,12 @@ impl Admission {
         self.lock().in_flight
     }
 
+    /// The sends in flight below which held sends may take a place at
+    /// their appointment now (see [`DrainCap`]).
+    pub fn backlog_places(&self) -> usize {
+        self.lock().backlog_room()
+    }
+
     /// Appointments given out and not kept yet (held sends included).
     pub fn booked(&self) -> usize {
         self.lock().book.len()
@@ -552,16 +558,7 @@ impl State {
     /// and so are those held longer than `stale` (their phones are told).
     fn next_held(&mut self, now: Instant, stale: Duration) -> Option<Waiter> {
         let limit = self.aimd.limit();
-        let draining = self.draining();
-        // Draining, the places above the limit are the new sends', and
-        // while new sends are in flight the backlog keeps below its cap.
-        let room = if !draining {
-            limit.saturating_mul(2)
-        } else if self.new_in_flight > 0 {
-            self.drain.room(limit)
-        } else {
-            limit
-        };
+        let room = self.backlog_room();
         let (queue, goes) = if live_front(&mut self.urgent, &mut self.book, now, stale).is_some() {
             // Up to twice the limit, as a phone back for its appointment:
             // new sends wait for these in their conversation's turn.
@@ -609,6 +606,21 @@ impl State {
             && in_flight * 2 <= limit
         {
             self.drain.calm(rtt);
+        }
+    }
+
+    /// The sends in flight below which the backlog's sends may take a
+    /// place at their appointment: twice the limit, as a phone back on
+    /// time; draining, the places above the limit are the new sends', and
+    /// while new sends are in flight the backlog keeps below its cap.
+    fn backlog_room(&self) -> usize {
+        let limit = self.aimd.limit();
+        if !self.draining() {
+            limit.saturating_mul(2)
+        } else if self.new_in_flight > 0 {
+            self.drain.room(limit)
+        } else {
+            limit
         }
     }
 

@@ -256,8 +256,11 @@ impl Gateway {
             .fetch_add(1, Ordering::Relaxed)
             .is_multiple_of(256)
         {
-            self.metrics
-                .set_admission(self.admission.limit(), self.admission.booked());
+            self.metrics.set_admission(
+                self.admission.limit(),
+                self.admission.booked(),
+                self.admission.backlog_places(),
+            );
             self.metrics.set_shard_windows(self.shards.windows());
         }
         match self.resends.lead(key) {
@@ -340,8 +343,11 @@ impl Gateway {
     /// The answer to a send the admission refused, counted.
     fn refused(&self, refusal: Refusal) -> Error {
         self.metrics.limited("in_flight");
-        self.metrics
-            .set_admission(self.admission.limit(), self.admission.booked());
+        self.metrics.set_admission(
+            self.admission.limit(),
+            self.admission.booked(),
+            self.admission.backlog_places(),
+        );
         if self
             .refusals
             .fetch_add(1, Ordering::Relaxed)

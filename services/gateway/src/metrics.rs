@@ -42,6 +42,7 @@ pub struct GatewayMetrics {
     sends_queued: Counter,
     admission_limit: Gauge,
     appointments: Gauge,
+    backlog_places: Gauge,
 }
 
 /// Why the gateway refused or ended something to protect itself (the
@@ -72,6 +73,7 @@ impl Default for GatewayMetrics {
             sends_queued: Counter::default(),
             admission_limit: Gauge::default(),
             appointments: Gauge::default(),
+            backlog_places: Gauge::default(),
         }
     }
 }
@@ -144,6 +146,11 @@ impl GatewayMetrics {
             m.appointments.clone(),
         );
         registry.register(
+            "imdedup_gateway_backlog_places",
+            "Sends in flight below which held sends take a place: twice the admission limit during a surge, the limit while the backlog drains, less while new sends wait behind it (adaptive)",
+            m.backlog_places.clone(),
+        );
+        registry.register(
             "imdedup_gateway_shard_up",
             "1 when the link to the ingest shard works, 0 when it failed last",
             m.shard_up.clone(),
@@ -180,12 +187,15 @@ impl GatewayMetrics {
         self.resends_joined.get()
     }
 
-    /// The admission limit and the appointments open now.
-    pub fn set_admission(&self, limit: usize, appointments: usize) {
+    /// The admission limit, the appointments open now and the places the
+    /// held sends may take.
+    pub fn set_admission(&self, limit: usize, appointments: usize, backlog_places: usize) {
         self.admission_limit
             .set(i64::try_from(limit).unwrap_or(i64::MAX));
         self.appointments
             .set(i64::try_from(appointments).unwrap_or(i64::MAX));
+        self.backlog_places
+            .set(i64::try_from(backlog_places).unwrap_or(i64::MAX));
     }
 
     /// How many times `reason` was counted.
@@ -285,6 +295,7 @@ mod tests {
         gateway.send_answered(Err(ErrorKind::InvalidArgument), Duration::from_millis(1));
         gateway.shard_replied("http://a", Err(ErrorKind::Unavailable));
         gateway.set_shard_windows([("shard-0", 64), ("shard-1", 16)].into_iter());
+        gateway.set_admission(400, 7, 50);
 
         let text = render(&registry);
         assert_samples(
@@ -309,6 +320,9 @@ mod tests {
                     1.0,
                 ),
                 ("imdedup_gateway_shard_up", &[("shard", "http://a")], 0.0),
+                ("imdedup_gateway_admission_limit", &[], 400.0),
+                ("imdedup_gateway_appointments", &[], 7.0),
+                ("imdedup_gateway_backlog_places", &[], 50.0),
                 (
                     "imdedup_gateway_shard_window",
                     &[("shard", "shard-0")],
