@@ -378,7 +378,7 @@ impl Admission {
     /// The sends in flight below which held sends may take a place at
     /// their appointment now (see [`DrainCap`]).
     pub fn backlog_places(&self) -> usize {
-        self.lock().backlog_room()
+        self.lock().backlog_room(Instant::now())
     }
 
     /// Appointments given out and not kept yet (held sends included).
@@ -558,7 +558,7 @@ impl State {
     /// and so are those held longer than `stale` (their phones are told).
     fn next_held(&mut self, now: Instant, stale: Duration) -> Option<Waiter> {
         let limit = self.aimd.limit();
-        let room = self.backlog_room();
+        let room = self.backlog_room(now);
         let (queue, goes) = if live_front(&mut self.urgent, &mut self.book, now, stale).is_some() {
             // Up to twice the limit, as a phone back for its appointment:
             // new sends wait for these in their conversation's turn.
@@ -612,12 +612,18 @@ impl State {
     /// The sends in flight below which the backlog's sends may take a
     /// place at their appointment: twice the limit, as a phone back on
     /// time; draining, the places above the limit are the new sends', and
-    /// while new sends are in flight the backlog keeps below its cap.
-    fn backlog_room(&self) -> usize {
+    /// while new sends are in flight the backlog keeps below its cap, as
+    /// long as it is not more than [`DRAIN_BEHIND`] behind its
+    /// appointments (its phones wait for those, and give up in the end).
+    fn backlog_room(&self, now: Instant) -> usize {
         let limit = self.aimd.limit();
+        let behind = self
+            .held
+            .front()
+            .is_some_and(|front| now.saturating_duration_since(front.due) > DRAIN_BEHIND);
         if !self.draining() {
             limit.saturating_mul(2)
-        } else if self.new_in_flight > 0 {
+        } else if self.new_in_flight > 0 && !behind {
             self.drain.room(limit)
         } else {
             limit
@@ -806,7 +812,8 @@ impl Flow {
 /// trip), sends in time grow it by one per round trip. It stays between
 /// [`DRAIN_MIN_SHARE`] of the limit (the backlog always drains) and the
 /// limit. With no new send in flight it does not apply: nobody waits
-/// behind the backlog then.
+/// behind the backlog then; nor while the backlog is more than
+/// [`DRAIN_BEHIND`] behind its appointments.
 #[derive(Debug)]
 struct DrainCap {
     /// The mean latency, in seconds, of the sends answered while no
@@ -824,6 +831,12 @@ const DRAIN_LATENCY_FACTOR: f64 = 4.0;
 const DRAIN_LATENCY_SLACK: Duration = Duration::from_millis(20);
 /// The least share of the limit the backlog may hold while it drains.
 const DRAIN_MIN_SHARE: f64 = 0.125;
+/// A backlog whose oldest held send is this far past its appointment
+/// drains with the whole limit: the cap would delay it further while its
+/// phones already wait longer than they were told (a slow box, a surge
+/// served below the pace its appointments were booked at), and some
+/// would give up (measured: 14,751 phones in one such run).
+const DRAIN_BEHIND: Duration = Duration::from_secs(5);
 /// Weight of one calm send's latency in the mean.
 const CALM_WEIGHT: f64 = 1.0 / 256.0;
 
@@ -1185,8 +1198,11 @@ mod tests {
             door.state.in_flight += 1;
             door.done(now - Duration::from_millis(2), now);
         }
+        // Held with appointments due as the surge ends: the backlog keeps
+        // its appointments (within DRAIN_BEHIND) throughout.
+        let due = now + Duration::from_secs(2);
         let _backlog: Vec<_> = (0..300)
-            .map(|key| held(&mut door.state, 10_000 + key, now))
+            .map(|key| held(&mut door.state, 10_000 + key, due))
             .collect();
         let mut key = 0;
         traffic(&mut door, &mut now, &mut key, 8, 5, 10);
@@ -1221,6 +1237,15 @@ mod tests {
         }
         let grown = backlog_room(&mut door.state, now, stale);
         assert!((20..=30).contains(&grown), "{grown}");
+        // A backlog more than DRAIN_BEHIND behind its appointments drains
+        // with the whole limit: its phones wait already.
+        let (place, _late) = oneshot::channel();
+        door.state.held.push_front(Waiter {
+            key: 1,
+            due: now - DRAIN_BEHIND - Duration::from_millis(1),
+            place,
+        });
+        assert_eq!(door.state.backlog_room(now), 100);
     }
 
     #[test]
