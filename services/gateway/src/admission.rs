@@ -163,6 +163,14 @@ impl Refusal {
     }
 }
 
+/// What the admission's gauges show: [`Admission::gauges`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AdmissionGauges {
+    pub limit: usize,
+    pub booked: usize,
+    pub backlog_places: usize,
+}
+
 /// How an admitted send ended, for the limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Completion {
@@ -364,21 +372,22 @@ impl Admission {
         self.options.horizon.mul_f64(STALE_AFTER)
     }
 
-    /// The limit now.
-    pub fn limit(&self) -> usize {
-        self.lock().aimd.limit()
-    }
-
     /// Sends holding a place now.
     #[cfg(test)]
     pub(crate) fn in_flight(&self) -> usize {
         self.lock().in_flight
     }
 
-    /// The sends in flight below which held sends may take a place at
-    /// their appointment now (see [`DrainCap`]).
-    pub fn backlog_places(&self) -> usize {
-        self.lock().backlog_room(Instant::now())
+    /// The limit, the appointments open and the sends in flight below
+    /// which held sends may take a place at their appointment (see
+    /// [`DrainCap`]), read at once, for the gauges.
+    pub fn gauges(&self) -> AdmissionGauges {
+        let state = self.lock();
+        AdmissionGauges {
+            limit: state.aimd.limit(),
+            booked: state.book.len(),
+            backlog_places: state.backlog_room(Instant::now()),
+        }
     }
 
     /// Appointments given out and not kept yet (held sends included).

@@ -950,6 +950,27 @@ mod tests {
         (reply, replies, cmd, held)
     }
 
+    /// The task that serves `held` for ana, on a connection that stays
+    /// open.
+    fn serve_held_send(
+        reply: Reply,
+        cmd: SendCmd,
+        held: Held,
+        turn: Turn,
+        promote: Arc<Notify>,
+    ) -> impl Future<Output = ()> {
+        let sender = Sender::parse("ana").expect("a sender");
+        serve_held(
+            reply,
+            sender,
+            cmd,
+            held,
+            turn,
+            CancellationToken::new(),
+            promote,
+        )
+    }
+
     /// While the backlog drains, a held send moved ahead of it asks for a
     /// place only once the send before it in its conversation is
     /// answered: sooner, it would hold a place while it waits for that
@@ -967,14 +988,11 @@ mod tests {
         let before = order.next(&cmd.conversation);
         let turn = order.next(&cmd.conversation);
         let promote = Arc::new(Notify::new());
-        let sender = Sender::parse("ana").expect("a sender");
-        tokio::spawn(serve_held(
+        tokio::spawn(serve_held_send(
             reply,
-            sender,
             cmd,
             held,
             turn,
-            CancellationToken::new(),
             Arc::clone(&promote),
         ));
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -1001,16 +1019,7 @@ mod tests {
         let gateway = gateway(crate::limits::Limits::default());
         let (reply, _replies, cmd, held) = held_send(&gateway, b"m-1", Duration::from_secs(1));
         let turn = SendOrder::default().next(&cmd.conversation);
-        let sender = Sender::parse("ana").expect("a sender");
-        let waiting = serve_held(
-            reply,
-            sender,
-            cmd,
-            held,
-            turn,
-            CancellationToken::new(),
-            Arc::default(),
-        );
+        let waiting = serve_held_send(reply, cmd, held, turn, Arc::default());
         // With the send's state inline the task was 2,560 bytes in a
         // release build (2,824 in a debug one); now 632.
         let size = std::mem::size_of_val(&waiting);

@@ -256,11 +256,7 @@ impl Gateway {
             .fetch_add(1, Ordering::Relaxed)
             .is_multiple_of(256)
         {
-            self.metrics.set_admission(
-                self.admission.limit(),
-                self.admission.booked(),
-                self.admission.backlog_places(),
-            );
+            self.metrics.set_admission(self.admission.gauges());
             self.metrics.set_shard_windows(self.shards.windows());
         }
         match self.resends.lead(key) {
@@ -343,11 +339,7 @@ impl Gateway {
     /// The answer to a send the admission refused, counted.
     fn refused(&self, refusal: Refusal) -> Error {
         self.metrics.limited("in_flight");
-        self.metrics.set_admission(
-            self.admission.limit(),
-            self.admission.booked(),
-            self.admission.backlog_places(),
-        );
+        self.metrics.set_admission(self.admission.gauges());
         if self
             .refusals
             .fetch_add(1, Ordering::Relaxed)

@@ -15,6 +15,8 @@ use prometheus_client::{
     registry::Unit,
 };
 
+use crate::admission::AdmissionGauges;
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ShardLabels {
     shard: String,
@@ -189,13 +191,11 @@ impl GatewayMetrics {
 
     /// The admission limit, the appointments open now and the places the
     /// held sends may take.
-    pub fn set_admission(&self, limit: usize, appointments: usize, backlog_places: usize) {
-        self.admission_limit
-            .set(i64::try_from(limit).unwrap_or(i64::MAX));
-        self.appointments
-            .set(i64::try_from(appointments).unwrap_or(i64::MAX));
-        self.backlog_places
-            .set(i64::try_from(backlog_places).unwrap_or(i64::MAX));
+    pub fn set_admission(&self, gauges: AdmissionGauges) {
+        let gauge = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        self.admission_limit.set(gauge(gauges.limit));
+        self.appointments.set(gauge(gauges.booked));
+        self.backlog_places.set(gauge(gauges.backlog_places));
     }
 
     /// How many times `reason` was counted.
@@ -295,7 +295,11 @@ mod tests {
         gateway.send_answered(Err(ErrorKind::InvalidArgument), Duration::from_millis(1));
         gateway.shard_replied("http://a", Err(ErrorKind::Unavailable));
         gateway.set_shard_windows([("shard-0", 64), ("shard-1", 16)].into_iter());
-        gateway.set_admission(400, 7, 50);
+        gateway.set_admission(AdmissionGauges {
+            limit: 400,
+            booked: 7,
+            backlog_places: 50,
+        });
 
         let text = render(&registry);
         assert_samples(
