@@ -368,6 +368,13 @@ struct HeldSends {
     closing: CancellationToken,
 }
 
+/// Whether a held send of the conversation whose promotion signal this is
+/// still waits for a place: each such send keeps a clone until its place
+/// comes.
+fn still_held(promote: &Arc<Notify>) -> bool {
+    Arc::strong_count(promote) > 1
+}
+
 impl HeldSends {
     /// Whether a send of `conversation` is held and still waits for a
     /// place, whether or not its appointment has come: a send behind it
@@ -377,16 +384,14 @@ impl HeldSends {
     /// (on Redis + Cassandra at 3x the capacity every send in flight waited
     /// so and nothing was answered for a minute).
     fn waiting(&self, conversation: &str) -> bool {
-        self.promote
-            .get(conversation)
-            .is_some_and(|promote| Arc::strong_count(promote) > 1)
+        self.promote.get(conversation).is_some_and(still_held)
     }
 
     /// Hold a send of `conversation`: the signal it listens to for
     /// promotion, to keep until its place comes.
     fn hold(&mut self, conversation: &str) -> Arc<Notify> {
         prune(&mut self.promote, &mut self.prune_at, |_, promote| {
-            Arc::strong_count(promote) > 1
+            still_held(promote)
         });
         Arc::clone(self.promote.entry(conversation.to_owned()).or_default())
     }
@@ -396,7 +401,7 @@ impl HeldSends {
     /// behind all of it.
     fn promote_if_draining(&self, conversation: &str, gateway: &Gateway) {
         if let Some(promote) = self.promote.get(conversation)
-            && Arc::strong_count(promote) > 1
+            && still_held(promote)
             && gateway.draining()
         {
             promote.notify_waiters();
