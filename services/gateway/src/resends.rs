@@ -24,20 +24,25 @@ use imdedup_domain::{
     Error,
     model::{Ack, Outcome},
 };
-use tokio::sync::watch;
+use tokio::sync::oneshot;
 
-type Answer = Option<Result<Ack, Error>>;
+type Answer = Result<Ack, Error>;
 
 /// The sends in flight in this gateway, by (sender, message ID).
 pub struct InFlightSends {
-    sends: Mutex<HashMap<u64, Entry>>,
+    sends: Mutex<Sends>,
     keys: RandomState,
     contents: RandomState,
 }
 
+type Sends = HashMap<u64, Entry>;
+
+/// A send in flight. Tens of thousands are, in a surge, most with no copy
+/// joined: an entry allocates nothing until one joins (a `watch` channel
+/// per send was 450 bytes of every held send).
 struct Entry {
     content: u64,
-    answer: watch::Receiver<Answer>,
+    copies: Vec<oneshot::Sender<Answer>>,
 }
 
 /// What identifies one send: its key and a fingerprint of all of it.
@@ -48,22 +53,23 @@ pub struct SendKey {
 }
 
 /// The first copy in flight; its answer goes to every copy that joined.
-/// Dropped without an answer, the copies are told to resend.
+/// Dropped without an answer, the copies are told to resend. While it
+/// lives, its entry is the key's: only its own end removes it.
 pub struct Leader {
     sends: Arc<InFlightSends>,
     key: u64,
-    answer: watch::Sender<Answer>,
+    ended: bool,
 }
 
 /// A copy waiting for the first one's answer.
 pub struct Follower {
-    answer: watch::Receiver<Answer>,
+    answer: oneshot::Receiver<Answer>,
 }
 
 impl InFlightSends {
     pub fn new() -> Arc<Self> {
         Arc::new(Self {
-            sends: Mutex::new(HashMap::new()),
+            sends: Mutex::default(),
             keys: RandomState::new(),
             contents: RandomState::new(),
         })
@@ -76,46 +82,42 @@ impl InFlightSends {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Entry>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Sends> {
         self.sends.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Join the copy of `key` in flight, if there is one.
     pub fn join(&self, key: SendKey) -> Option<Follower> {
-        let sends = self.lock();
-        let entry = sends.get(&key.key)?;
-        (entry.content == key.content).then(|| Follower {
-            answer: entry.answer.clone(),
-        })
+        let mut sends = self.lock();
+        let entry = sends.get_mut(&key.key)?;
+        (entry.content == key.content).then(|| entry.follow())
     }
 
     /// Lead the send of `key`; if a copy got there first meanwhile, join it
     /// instead (`Err`). A send with the same ID but other content leads
     /// without being joinable.
     pub fn lead(self: &Arc<Self>, key: SendKey) -> Result<Option<Leader>, Follower> {
-        let mut sends = self.lock();
-        if let Some(entry) = sends.get(&key.key) {
-            return if entry.content == key.content {
-                Err(Follower {
-                    answer: entry.answer.clone(),
-                })
-            } else {
-                Ok(None)
-            };
+        match self.lock().entry(key.key) {
+            std::collections::hash_map::Entry::Occupied(mut entry) => {
+                let entry = entry.get_mut();
+                if entry.content == key.content {
+                    Err(entry.follow())
+                } else {
+                    Ok(None)
+                }
+            }
+            std::collections::hash_map::Entry::Vacant(vacant) => {
+                vacant.insert(Entry {
+                    content: key.content,
+                    copies: Vec::new(),
+                });
+                Ok(Some(Leader {
+                    sends: Arc::clone(self),
+                    key: key.key,
+                    ended: false,
+                }))
+            }
         }
-        let (answer, receiver) = watch::channel(None);
-        sends.insert(
-            key.key,
-            Entry {
-                content: key.content,
-                answer: receiver,
-            },
-        );
-        Ok(Some(Leader {
-            sends: Arc::clone(self),
-            key: key.key,
-            answer,
-        }))
     }
 
     /// Sends in flight that copies could join.
@@ -128,26 +130,38 @@ impl InFlightSends {
     }
 }
 
+impl Entry {
+    fn follow(&mut self) -> Follower {
+        let (copy, answer) = oneshot::channel();
+        self.copies.push(copy);
+        Follower { answer }
+    }
+}
+
 impl Leader {
+    /// Its entry, out of the map (once): a copy arriving from now on is a
+    /// resend of an ended send, and goes through on its own.
+    fn end(&mut self) -> Option<Entry> {
+        if std::mem::replace(&mut self.ended, true) {
+            return None;
+        }
+        self.sends.lock().remove(&self.key)
+    }
+
     /// Give every joined copy this answer.
-    pub fn answer(self, answer: &Result<Ack, Error>) {
-        // Out of the map first: a copy arriving from now on is a resend of
-        // an answered send, and goes through (the window answers it).
-        self.sends.lock().remove(&self.key);
-        self.answer.send_replace(Some(answer.clone()));
+    pub fn answer(mut self, answer: &Answer) {
+        if let Some(entry) = self.end() {
+            for copy in entry.copies {
+                let _ = copy.send(answer.clone());
+            }
+        }
     }
 }
 
 impl Drop for Leader {
+    /// Unanswered, the copies' channels close: they are told to resend.
     fn drop(&mut self) {
-        let mut sends = self.sends.lock();
-        // Only our own entry: after `answer` another leader may hold the key.
-        if sends
-            .get(&self.key)
-            .is_some_and(|entry| entry.answer.same_channel(&self.answer.subscribe()))
-        {
-            sends.remove(&self.key);
-        }
+        self.end();
     }
 }
 
@@ -157,11 +171,8 @@ impl Follower {
     /// `stored` the copy is a duplicate recognised before storage (as the
     /// recent-ID window would have recognised it a moment later). A phone
     /// that sent two copies thus sees one `stored` ACK, like any resend.
-    pub async fn answer(mut self) -> Result<Ack, Error> {
-        let answer = match self.answer.wait_for(Option::is_some).await {
-            Ok(answer) => answer.clone().unwrap_or_else(|| Err(resend())),
-            Err(_) => Err(resend()),
-        };
+    pub async fn answer(self) -> Result<Ack, Error> {
+        let answer = self.answer.await.unwrap_or_else(|_| Err(resend()));
         answer.map(|ack| Ack {
             outcome: match ack.outcome {
                 Outcome::Stored => Outcome::DuplicateWindow,
@@ -232,6 +243,21 @@ mod tests {
             matches!(sends.lead(reused), Ok(None)),
             "goes through on its own, not joinable"
         );
+    }
+
+    #[tokio::test]
+    async fn a_lead_that_ended_leaves_the_next_lead_of_its_key_joinable() {
+        let sends = InFlightSends::new();
+        let key = sends.key("ana", b"m-1", "dm:ana:ben", "hi");
+        let first = sends.lead(key).ok().flatten().unwrap();
+        first.answer(&Ok(ack()));
+        // A resend after the answer goes through and leads again; the
+        // first lead, gone, must not take the second's entry with it.
+        let second = sends.lead(key).ok().flatten().expect("leads again");
+        let copy = sends.join(key).expect("joins the second lead");
+        second.answer(&Ok(ack()));
+        assert_eq!(copy.answer().await.unwrap().receipt, ack().receipt);
+        assert!(sends.is_empty());
     }
 
     #[tokio::test]
