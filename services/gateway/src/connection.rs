@@ -1031,6 +1031,79 @@ mod tests {
         assert!(size <= 1024, "a held send's task is {size} bytes");
     }
 
+    /// The process's resident memory, in bytes.
+    fn resident_bytes() -> usize {
+        let statm = std::fs::read_to_string("/proc/self/statm").expect("/proc/self/statm");
+        let pages: usize = statm
+            .split_whitespace()
+            .nth(1)
+            .and_then(|field| field.parse().ok())
+            .expect("resident pages");
+        pages * 4096
+    }
+
+    /// The budget for held sends is memory: what the gateway keeps for a
+    /// held send (its task, channels, queue and map entries) is within
+    /// what the budget charges it. Charged its content and 256 bytes, as
+    /// until 2026-12-05, a budget let a gateway keep several times the
+    /// memory it was set to.
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_held_send_keeps_no_more_memory_than_the_budget_charges_it() {
+        const SENDS: usize = 100_000;
+        let gateway = gateway(crate::limits::Limits {
+            max_sends_in_flight: 1,
+            user_sends_per_second: std::num::NonZeroU32::new(1_000_000).expect("non-zero"),
+            user_send_burst: std::num::NonZeroU32::new(1_000_000).expect("non-zero"),
+            ..crate::limits::Limits::default()
+        });
+        let _taken = gateway.admission.admit("x", b"0").expect("the one place");
+        let (out, _replies) = mpsc::channel(4);
+        let closing = CancellationToken::new();
+        let mut order = SendOrder::default();
+        let mut held = HeldSends::default();
+        let cmd = |i: usize| SendCmd {
+            id: format!("{i:08}-0000-4000-8000-000000000000").into_bytes(),
+            id_b64: false,
+            conversation: format!("dm:u{}:u{}x", i / 100, i % 7),
+            body: "the usual length of a short chat message".to_owned(),
+            queue: true,
+        };
+        let charged = crate::held_bytes(&cmd(0)) as usize;
+        let before = resident_bytes();
+        for i in 0..SENDS {
+            let cmd = cmd(i);
+            let sender = Sender::parse(format!("u{}", i / 100)).expect("a sender");
+            let Ok(AdmittedSend::Held(hold)) = gateway.admit_send(&sender, &cmd, false) else {
+                panic!("send {i} is held");
+            };
+            let turn = order.next(&cmd.conversation);
+            let promote = held.hold(&cmd.conversation);
+            let reply = Reply {
+                gateway: Arc::clone(&gateway),
+                out: out.clone(),
+                encoding: Encoding::Json,
+                read_at: Instant::now(),
+            };
+            tokio::spawn(serve_held(
+                reply,
+                sender,
+                cmd,
+                hold,
+                turn,
+                closing.clone(),
+                promote,
+            ));
+        }
+        // Every task polled once, waiting for its place.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let kept = resident_bytes().saturating_sub(before) / SENDS;
+        assert!(
+            kept <= charged,
+            "a held send keeps {kept} bytes; the budget charges {charged}"
+        );
+    }
+
     #[test]
     fn prune_runs_again_only_after_the_map_doubles() {
         let mut map: HashMap<String, bool> = HashMap::new();

@@ -41,9 +41,11 @@ pub struct Limits {
     pub max_sends_in_flight: usize,
     /// A send answered later than this cuts the admission limit.
     pub send_latency_target: Duration,
-    /// Bytes of sends the gateway may hold for their appointment, over all
-    /// connections (the phones asked for `queue`); beyond, such sends are
-    /// refused with their appointment instead.
+    /// Bytes of memory the gateway may spend on sends held for their
+    /// appointment, over all connections (the phones asked for `queue`),
+    /// each counted as its content and what holding it costs besides
+    /// (`HELD_SEND_OVERHEAD`); beyond, such sends are refused with their
+    /// appointment instead.
     pub max_held_bytes: usize,
     /// Message bodies in one history page, in bytes (a page holds at least
     /// one message).
@@ -64,7 +66,7 @@ impl Default for Limits {
             user_send_burst: NonZeroU32::new(200).expect("non-zero"),
             max_sends_in_flight: 20_000,
             send_latency_target: Duration::from_millis(600),
-            max_held_bytes: 64 << 20,
+            max_held_bytes: 256 << 20,
             max_history_page_bytes: 1 << 20,
             max_pulls_per_connection: 2,
         }

@@ -42,10 +42,12 @@ pub struct LimitArgs {
     /// so the work it takes in finishes in about this time.
     #[arg(long, env = "IMDEDUP_SEND_LATENCY_TARGET", default_value = "600ms", value_parser = duration)]
     pub send_latency_target: Duration,
-    /// Most bytes of sends the gateway holds for their appointment (phones
-    /// that ask for `queue` get a `queued` answer instead of a refusal);
-    /// beyond, such sends are refused with their appointment. 0 holds none.
-    #[arg(long, env = "IMDEDUP_MAX_HELD_BYTES", default_value_t = 64 << 20)]
+    /// Most bytes of memory the gateway spends on sends held for their
+    /// appointment (phones that ask for `queue` get a `queued` answer
+    /// instead of a refusal), each counted as its content and ~1,600 bytes
+    /// of task and bookkeeping; beyond, such sends are refused with their
+    /// appointment. 0 holds none.
+    #[arg(long, env = "IMDEDUP_MAX_HELD_BYTES", default_value_t = 256 << 20)]
     pub max_held_bytes: usize,
     /// Most bytes of message bodies in one history page (a page holds at
     /// least one message).
