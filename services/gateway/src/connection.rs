@@ -923,6 +923,51 @@ mod tests {
         );
     }
 
+    /// Past the budget for held sends, a phone that asked to be queued is
+    /// refused with its appointment, and the refusal is counted under its
+    /// own reason: the budget is memory, and an operator must see it bind.
+    #[tokio::test]
+    async fn past_the_budget_for_held_sends_a_queued_send_is_refused_and_counted_apart() {
+        let cmd = |i: usize| SendCmd {
+            id: format!("m-{i}").into_bytes(),
+            id_b64: false,
+            conversation: format!("dm:u{i}:bo"),
+            body: "hello".to_owned(),
+            queue: true,
+        };
+        let gateway = gateway(crate::limits::Limits {
+            max_sends_in_flight: 1,
+            // Room for two held sends, not three.
+            max_held_bytes: 2 * crate::held_bytes(&cmd(1)) as usize + 100,
+            ..crate::limits::Limits::default()
+        });
+        let sender = |i: usize| Sender::parse(format!("u{i}")).expect("a sender");
+        let _taken = gateway.admission.admit("x", b"0").expect("the one place");
+        let mut kept = Vec::new();
+        for i in 1..=2 {
+            let admitted = gateway.admit_send(&sender(i), &cmd(i), false);
+            assert!(
+                matches!(admitted, Ok(AdmittedSend::Held(_))),
+                "send {i} is held"
+            );
+            kept.push(admitted);
+        }
+        let metrics = gateway.metrics();
+        let in_flight = metrics.limited_count("in_flight");
+        let refused = gateway
+            .admit_send(&sender(3), &cmd(3), false)
+            .err()
+            .expect("no room to hold a third");
+        assert_eq!(refused.kind(), imdedup_domain::ErrorKind::Overloaded);
+        assert!(refused.retry_after().is_some(), "with its appointment");
+        assert_eq!(metrics.limited_count("held_bytes"), 1);
+        assert_eq!(metrics.limited_count("in_flight"), in_flight);
+        // A held send answered gives its bytes back.
+        drop(kept.pop());
+        let admitted = gateway.admit_send(&sender(4), &cmd(4), false);
+        assert!(matches!(admitted, Ok(AdmittedSend::Held(_))), "room again");
+    }
+
     /// A send of ana's held for `wait`, its reply going to the receiver.
     fn held_send(
         gateway: &Arc<Gateway>,

@@ -296,8 +296,9 @@ impl Gateway {
         self.check_send_rate(sender)?;
         let bytes = held_bytes(cmd);
         let Ok(budget) = Arc::clone(&self.held_bytes).try_acquire_many_owned(bytes) else {
-            // No room to hold it: the phone keeps the appointment.
-            return Err(self.refused(Refusal::Appointment { retry_after: wait }));
+            // No room to hold it: the phone keeps the appointment. Counted
+            // apart, so an operator sees the budget (memory) bind.
+            return Err(self.refused_for("held_bytes", Refusal::Appointment { retry_after: wait }));
         };
         let leader = match self.resends.lead(key) {
             Ok(leader) => leader,
@@ -352,7 +353,13 @@ impl Gateway {
 
     /// The answer to a send the admission refused, counted.
     fn refused(&self, refusal: Refusal) -> Error {
-        self.metrics.limited("in_flight");
+        self.refused_for("in_flight", refusal)
+    }
+
+    /// The answer to a send refused with an appointment, counted under
+    /// `reason`.
+    fn refused_for(&self, reason: &'static str, refusal: Refusal) -> Error {
+        self.metrics.limited(reason);
         self.metrics.set_admission(self.admission.gauges());
         if self
             .refusals

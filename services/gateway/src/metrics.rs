@@ -49,13 +49,14 @@ pub struct GatewayMetrics {
 
 /// Why the gateway refused or ended something to protect itself (the
 /// `reason` label of `imdedup_gateway_limited_total`).
-pub const GATEWAY_LIMITS: [&str; 8] = [
+pub const GATEWAY_LIMITS: [&str; 9] = [
     "connections",
     "unauthenticated",
     "upgrade_timeout",
     "user_connections",
     "user_send_rate",
     "in_flight",
+    "held_bytes",
     "history_pulls",
     "idle",
 ];
