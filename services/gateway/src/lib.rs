@@ -160,8 +160,9 @@ pub(crate) struct Held {
 /// the allocator rounds them up to. Measured: 1,391 bytes of resident memory
 /// per held send with 85 bytes of content (the test
 /// `a_held_send_keeps_no_more_memory_than_the_budget_charges_it`), and
-/// 1,300-1,630 bytes in the gateway of `imdedup dev` in a 3x surge
-/// (docs/overload.md). Until 2026-12-05 this was taken to be 256, so the
+/// ~1,630 by a fit of the resident memory of `imdedup dev` against its held
+/// sends in a 3x surge, which also counts the rest of the process growing
+/// meanwhile (docs/overload.md). Until 2026-12-05 this was taken to be 256, so the
 /// budget for held sends let a gateway keep four to five times the memory
 /// it was set to.
 const HELD_SEND_OVERHEAD: usize = 1_600;
