@@ -271,7 +271,7 @@ impl Gateway {
             .fetch_add(1, Ordering::Relaxed)
             .is_multiple_of(256)
         {
-            self.metrics.set_admission(self.admission.gauges());
+            self.sample_admission();
             self.metrics.set_shard_windows(self.shards.windows());
         }
         match self.resends.lead(key) {
@@ -352,6 +352,18 @@ impl Gateway {
         Ok(pass)
     }
 
+    /// The admission's gauges and the budget for held sends in use.
+    fn sample_admission(&self) {
+        self.metrics.set_admission(self.admission.gauges());
+        let budget = self
+            .config
+            .limits
+            .max_held_bytes
+            .min(Semaphore::MAX_PERMITS);
+        self.metrics
+            .set_held_bytes(budget.saturating_sub(self.held_bytes.available_permits()));
+    }
+
     /// The answer to a send the admission refused, counted.
     fn refused(&self, refusal: Refusal) -> Error {
         self.refused_for("in_flight", refusal)
@@ -361,7 +373,7 @@ impl Gateway {
     /// `reason`.
     fn refused_for(&self, reason: &'static str, refusal: Refusal) -> Error {
         self.metrics.limited(reason);
-        self.metrics.set_admission(self.admission.gauges());
+        self.sample_admission();
         if self
             .refusals
             .fetch_add(1, Ordering::Relaxed)

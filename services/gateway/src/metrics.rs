@@ -45,6 +45,7 @@ pub struct GatewayMetrics {
     admission_limit: Gauge,
     appointments: Gauge,
     backlog_places: Gauge,
+    held_bytes: Gauge,
 }
 
 /// Why the gateway refused or ended something to protect itself (the
@@ -77,6 +78,7 @@ impl Default for GatewayMetrics {
             admission_limit: Gauge::default(),
             appointments: Gauge::default(),
             backlog_places: Gauge::default(),
+            held_bytes: Gauge::default(),
         }
     }
 }
@@ -154,6 +156,11 @@ impl GatewayMetrics {
             m.backlog_places.clone(),
         );
         registry.register(
+            "imdedup_gateway_held_bytes",
+            "Memory counted for the sends held for their appointment, of the --max-held-bytes budget (each its content and ~1.6 KB); sampled with the admission limit",
+            m.held_bytes.clone(),
+        );
+        registry.register(
             "imdedup_gateway_shard_up",
             "1 when the link to the ingest shard works, 0 when it failed last",
             m.shard_up.clone(),
@@ -197,6 +204,12 @@ impl GatewayMetrics {
         self.admission_limit.set(gauge(gauges.limit));
         self.appointments.set(gauge(gauges.booked));
         self.backlog_places.set(gauge(gauges.backlog_places));
+    }
+
+    /// The bytes of the budget for held sends in use.
+    pub fn set_held_bytes(&self, bytes: usize) {
+        self.held_bytes
+            .set(i64::try_from(bytes).unwrap_or(i64::MAX));
     }
 
     /// How many times `reason` was counted.
@@ -301,6 +314,7 @@ mod tests {
             booked: 7,
             backlog_places: 50,
         });
+        gateway.set_held_bytes(3_370);
 
         let text = render(&registry);
         assert_samples(
@@ -328,6 +342,7 @@ mod tests {
                 ("imdedup_gateway_admission_limit", &[], 400.0),
                 ("imdedup_gateway_appointments", &[], 7.0),
                 ("imdedup_gateway_backlog_places", &[], 50.0),
+                ("imdedup_gateway_held_bytes", &[], 3_370.0),
                 (
                     "imdedup_gateway_shard_window",
                     &[("shard", "shard-0")],
