@@ -162,10 +162,15 @@ pub(crate) struct Held {
 /// `a_held_send_keeps_no_more_memory_than_the_budget_charges_it`), and
 /// ~1,630 by a fit of the resident memory of `imdedup dev` against its held
 /// sends in a 3x surge, which also counts the rest of the process growing
-/// meanwhile (docs/overload.md). Until 2026-12-05 this was taken to be 256, so the
-/// budget for held sends let a gateway keep four to five times the memory
-/// it was set to.
+/// meanwhile (docs/overload.md). Until 2026-12-05 this was taken to be 256,
+/// so the budget for held sends let a gateway keep four to five times the
+/// memory it was set to.
 const HELD_SEND_OVERHEAD: usize = 1_600;
+
+/// The budget for held sends, in bytes (the permits of its semaphore).
+fn held_budget(limits: &Limits) -> usize {
+    limits.max_held_bytes.min(Semaphore::MAX_PERMITS)
+}
 
 /// What holding `cmd` costs of the budget for held sends, in bytes of
 /// memory.
@@ -200,9 +205,7 @@ impl Gateway {
             resends: InFlightSends::new(),
             admitted: AtomicU64::new(0),
             refusals: AtomicU64::new(0),
-            held_bytes: Arc::new(Semaphore::new(
-                config.limits.max_held_bytes.min(Semaphore::MAX_PERMITS),
-            )),
+            held_bytes: Arc::new(Semaphore::new(held_budget(&config.limits))),
             metrics: GatewayMetrics::default(),
             config,
         })
@@ -355,11 +358,7 @@ impl Gateway {
     /// The admission's gauges and the budget for held sends in use.
     fn sample_admission(&self) {
         self.metrics.set_admission(self.admission.gauges());
-        let budget = self
-            .config
-            .limits
-            .max_held_bytes
-            .min(Semaphore::MAX_PERMITS);
+        let budget = held_budget(&self.config.limits);
         self.metrics
             .set_held_bytes(budget.saturating_sub(self.held_bytes.available_permits()));
     }
