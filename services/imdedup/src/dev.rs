@@ -18,7 +18,7 @@ use imdedup_cluster::{
 use imdedup_domain::clock::SystemClock;
 use imdedup_runtime::secret::redact_url;
 
-use crate::{authz::AuthzMode, backends::LocalBackendArgs};
+use crate::{authz::AuthzMode, backends::LocalBackendArgs, limits::LimitArgs};
 use imdedup_gateway::authz::{Authorizer, GroupsFile};
 
 /// Time given to what is in flight after Ctrl-C or SIGTERM (the services'
@@ -54,6 +54,10 @@ pub struct DevArgs {
     authz: AuthzMode,
     #[command(flatten)]
     backends: LocalBackendArgs,
+    /// The gateway's limits, the flags of `imdedup gateway` (to try a
+    /// deployment's limits, such as the chart's, on one machine).
+    #[command(flatten)]
+    limits: LimitArgs,
 }
 
 pub async fn run(args: DevArgs) -> anyhow::Result<()> {
@@ -63,6 +67,7 @@ pub async fn run(args: DevArgs) -> anyhow::Result<()> {
         .business_grpc_listen
         .unwrap_or_else(|| business_grpc_beside(args.listen));
     options.shards = args.shards;
+    options.gateway_limits = args.limits.limits();
     args.backends.apply(&mut options)?;
     let groups_file = args
         .groups_file
@@ -218,7 +223,38 @@ fn write_default_groups(path: &Path, users: &[String]) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use clap::Parser;
+
     use super::*;
+
+    #[derive(Parser)]
+    struct Wrap {
+        #[command(flatten)]
+        dev: DevArgs,
+    }
+
+    #[test]
+    fn dev_takes_the_gateways_limit_flags() {
+        let args = Wrap::try_parse_from([
+            "dev",
+            "--authz",
+            "open",
+            "--max-held-bytes",
+            "67108864",
+            "--max-sends-in-flight",
+            "300",
+        ])
+        .expect("dev's flags");
+        let limits = args.dev.limits.limits();
+        assert_eq!(limits.max_held_bytes, 64 << 20);
+        assert_eq!(limits.max_sends_in_flight, 300);
+        let defaults = Wrap::try_parse_from(["dev"]).expect("no flags");
+        assert_eq!(
+            format!("{:?}", defaults.dev.limits.limits()),
+            format!("{:?}", imdedup_gateway::limits::Limits::default()),
+            "without flags, the gateway's defaults"
+        );
+    }
 
     #[test]
     fn the_business_grpc_port_follows_the_websocket_port() {
