@@ -53,7 +53,7 @@
 //! after its appointment ([`STALE_AFTER`] the horizon) is given up.
 //!
 //! **New sends first once the surge is over.** While new sends arrive
-//! slower than the gateway answers ([`DRAIN_SHARE`], smoothed over quarter
+//! slower than the gateway answers ([`rates::DRAIN_SHARE`], smoothed over quarter
 //! seconds), the backlog is draining: a new send then goes in up to twice
 //! the limit, and held sends take places only below the limit. New
 //! messages flow at their usual latency while the backlog drains with what
@@ -85,6 +85,12 @@ use std::{
 use imdedup_domain::{Error, ErrorKind, model::Ack};
 use rand::Rng;
 use tokio::sync::oneshot;
+
+mod control;
+mod rates;
+
+use control::{Aimd, DRAIN_BEHIND, DrainCap};
+use rates::{Flow, Pace};
 
 /// Bounds of the admission limit and of the appointments.
 #[derive(Debug, Clone, Copy)]
@@ -141,9 +147,6 @@ const STALE_AFTER: f64 = 1.5;
 /// Below this share of the limit in flight, held sends go before their
 /// appointment.
 const PULL_FORWARD: f64 = 0.875;
-/// New sends arriving at less than this share of the sends answered: the
-/// surge is over, new sends go before the backlog.
-const DRAIN_SHARE: f64 = 0.6;
 
 /// Why a send was not taken in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -676,297 +679,11 @@ fn live_front<'a>(
     queue.front()
 }
 
-/// What the gateway serves per second while it is full, measured over
-/// short windows: a window in which a send was refused measured the
-/// capacity (smoothed), unless it answered almost nothing (a stall, which
-/// lowers the estimate slowly); one without refusals served all that came,
-/// so it only raises the estimate. Appointments are spaced by it. (Sends in
-/// flight divided by their latency is not it: under a CPU-bound surge the
-/// latency includes the time spent refusing, and appointments booked that
-/// slow left the gateway idle later with tens of thousands waiting.)
-#[derive(Debug)]
-struct Pace {
-    /// Sends per second; `None` until a window ended.
-    rate: Option<f64>,
-    window_start: Instant,
-    answered: u32,
-    full: bool,
-}
-
-/// A measuring window.
-const PACE_WINDOW: Duration = Duration::from_millis(250);
-/// Weight of a full window's measure in the estimate.
-const PACE_WEIGHT: f64 = 0.3;
-/// The pace assumed before a window ended, and the slowest.
-const PACE_MIN: f64 = 10.0;
-/// A full window that answered less than this share of the pace is a
-/// stall (a database paused, a shard gone), not a measure of capacity: the
-/// pace then only decays by [`STALL_DECAY`] a window, halving in about
-/// 3.4 s, so the appointments of a short stall end soon after it instead of
-/// tens of seconds later.
-const STALL_SHARE: f64 = 0.1;
-const STALL_DECAY: f64 = 0.95;
-
-impl Pace {
-    fn new(now: Instant) -> Self {
-        Self {
-            rate: None,
-            window_start: now,
-            answered: 0,
-            full: false,
-        }
-    }
-
-    fn answered(&mut self, now: Instant) {
-        self.answered = self.answered.saturating_add(1);
-        self.roll(now);
-    }
-
-    fn refused(&mut self, now: Instant) {
-        self.roll(now);
-        self.full = true;
-    }
-
-    fn roll(&mut self, now: Instant) {
-        let elapsed = now.saturating_duration_since(self.window_start);
-        if elapsed < PACE_WINDOW {
-            return;
-        }
-        let served = f64::from(self.answered) / elapsed.as_secs_f64();
-        self.rate = Some(match self.rate {
-            Some(rate) if self.full && served < STALL_SHARE * rate => rate * STALL_DECAY,
-            Some(rate) if self.full => rate + PACE_WEIGHT * (served - rate),
-            Some(rate) => rate.max(served),
-            None => served,
-        });
-        self.restart(now);
-    }
-
-    fn restart(&mut self, now: Instant) {
-        self.window_start = now;
-        self.answered = 0;
-        self.full = false;
-    }
-
-    /// The time between two appointments.
-    fn spacing(&self) -> Duration {
-        Duration::from_secs_f64(1.0 / self.rate.unwrap_or(PACE_MIN).max(PACE_MIN))
-    }
-}
-
-/// New sends arriving and sends answered per second, smoothed over
-/// [`PACE_WINDOW`]s.
-#[derive(Debug)]
-struct Flow {
-    window_start: Instant,
-    arrived: u32,
-    answered: u32,
-    arrivals: f64,
-    answers: f64,
-}
-
-/// Weight of a window's counts in the smoothed rates.
-const FLOW_WEIGHT: f64 = 0.5;
-
-impl Flow {
-    fn new(now: Instant) -> Self {
-        Self {
-            window_start: now,
-            arrived: 0,
-            answered: 0,
-            arrivals: 0.0,
-            answers: 0.0,
-        }
-    }
-
-    fn arrived(&mut self, now: Instant) {
-        self.arrived = self.arrived.saturating_add(1);
-        self.roll(now);
-    }
-
-    fn answered(&mut self, now: Instant) {
-        self.answered = self.answered.saturating_add(1);
-        self.roll(now);
-    }
-
-    fn roll(&mut self, now: Instant) {
-        let elapsed = now.saturating_duration_since(self.window_start);
-        if elapsed < PACE_WINDOW {
-            return;
-        }
-        let seconds = elapsed.as_secs_f64();
-        let arrivals = f64::from(std::mem::take(&mut self.arrived)) / seconds;
-        let answers = f64::from(std::mem::take(&mut self.answered)) / seconds;
-        self.arrivals += FLOW_WEIGHT * (arrivals - self.arrivals);
-        self.answers += FLOW_WEIGHT * (answers - self.answers);
-        self.window_start = now;
-    }
-
-    /// Fewer new sends arrive than [`DRAIN_SHARE`] of those answered.
-    fn draining(&self) -> bool {
-        self.arrivals < DRAIN_SHARE * self.answers
-    }
-}
-
-/// How many places the backlog may hold while it drains and new sends are
-/// in flight. New sends go in above the limit then, but every send in
-/// flight is queued at the shards, so a backlog filling the limit makes a
-/// new send wait for all of it: about the limit's worth of sends divided
-/// by what the gateway serves, a hundred milliseconds and more where the
-/// gateway answered in a few before the surge. The cap keeps the queue
-/// short enough for new sends to be answered about as fast as before the
-/// surge: a send answered later than [`DRAIN_LATENCY_FACTOR`] times the
-/// latency measured while the gateway was calm, plus
-/// [`DRAIN_LATENCY_SLACK`], cuts it by a tenth (at most once per round
-/// trip), sends in time grow it by one per round trip. It stays between
-/// [`DRAIN_MIN_SHARE`] of the limit (the backlog always drains) and the
-/// limit. With no new send in flight it does not apply: nobody waits
-/// behind the backlog then; nor while the backlog is more than
-/// [`DRAIN_BEHIND`] behind its appointments.
-#[derive(Debug)]
-struct DrainCap {
-    /// The mean latency, in seconds, of the sends answered while no
-    /// backlog was held and less than half the limit was in flight; `None`
-    /// until one was.
-    calm: Option<f64>,
-    cap: f64,
-    last_cut: Option<Instant>,
-}
-
-/// A send answered, while new sends are in flight behind the draining
-/// backlog, later than this many times the calm latency...
-const DRAIN_LATENCY_FACTOR: f64 = 4.0;
-/// ... plus this waited too long behind the backlog.
-const DRAIN_LATENCY_SLACK: Duration = Duration::from_millis(20);
-/// The least share of the limit the backlog may hold while it drains.
-const DRAIN_MIN_SHARE: f64 = 0.125;
-/// A backlog whose oldest held send is this far past its appointment
-/// drains with the whole limit: the cap would delay it further while its
-/// phones already wait longer than they were told (a slow box, a surge
-/// served below the pace its appointments were booked at), and some
-/// would give up (measured: 14,751 phones in one such run).
-const DRAIN_BEHIND: Duration = Duration::from_secs(5);
-/// Weight of one calm send's latency in the mean.
-const CALM_WEIGHT: f64 = 1.0 / 256.0;
-
-impl DrainCap {
-    fn new(initial: f64) -> Self {
-        Self {
-            calm: None,
-            cap: initial,
-            last_cut: None,
-        }
-    }
-
-    /// A send answered in `rtt` while the gateway was calm.
-    fn calm(&mut self, rtt: Duration) {
-        let rtt = rtt.as_secs_f64();
-        self.calm = Some(
-            self.calm
-                .map_or(rtt, |mean| mean + CALM_WEIGHT * (rtt - mean)),
-        );
-    }
-
-    /// The latency a send may have while the backlog drains, at most
-    /// `target`; `None` (no cap) before any send was answered calmly.
-    fn bound(&self, target: Duration) -> Option<Duration> {
-        let calm = self.calm?;
-        Some(
-            Duration::from_secs_f64(calm * DRAIN_LATENCY_FACTOR)
-                .saturating_add(DRAIN_LATENCY_SLACK)
-                .min(target),
-        )
-    }
-
-    /// A send admitted at `started` ended at `now`, `late` or not, while
-    /// new sends were in flight behind the draining backlog.
-    fn update(&mut self, started: Instant, now: Instant, late: bool, limit: usize) {
-        let limit = limit as f64;
-        self.cap = self.cap.clamp(limit * DRAIN_MIN_SHARE, limit);
-        if late {
-            if self.last_cut.is_some_and(|cut| started < cut) {
-                return;
-            }
-            self.last_cut = Some(now);
-            self.cap = (self.cap * BACKOFF).max(limit * DRAIN_MIN_SHARE);
-        } else {
-            self.cap = (self.cap + 1.0 / self.cap).min(limit);
-        }
-    }
-
-    /// Places the backlog may hold under `limit`.
-    fn room(&self, limit: usize) -> usize {
-        let limit = limit as f64;
-        self.cap.clamp(limit * DRAIN_MIN_SHARE, limit) as usize
-    }
-}
-
-/// The limit: additive increase per round trip, multiplicative decrease at
-/// most once per round trip, slow start below the threshold.
-#[derive(Debug)]
-struct Aimd {
-    limit: f64,
-    min: usize,
-    max: usize,
-    target: Duration,
-    last_cut: Option<Instant>,
-    /// Below this the limit grows by one per send in time (half the limit
-    /// at the first cut after it last grew).
-    threshold: f64,
-    grew: bool,
-}
-
-/// What a cut leaves of the limit.
-const BACKOFF: f64 = 0.9;
-
-impl Aimd {
-    fn new(options: AdmissionOptions) -> Self {
-        let min = options.min.max(1);
-        let max = options.max.max(min);
-        Self {
-            limit: options.initial.clamp(min, max) as f64,
-            min,
-            max,
-            target: options.target,
-            last_cut: None,
-            threshold: 0.0,
-            grew: true,
-        }
-    }
-
-    fn limit(&self) -> usize {
-        (self.limit as usize).clamp(self.min, self.max)
-    }
-
-    /// A send admitted at `started` ended at `now`, with `in_flight` in
-    /// flight (itself included), congested or not.
-    fn update(&mut self, started: Instant, now: Instant, in_flight: usize, congested: bool) {
-        if congested {
-            if self.last_cut.is_some_and(|cut| started < cut) {
-                return;
-            }
-            self.last_cut = Some(now);
-            if std::mem::take(&mut self.grew) {
-                self.threshold = self.limit / 2.0;
-            }
-            self.limit = (self.limit * BACKOFF).max(self.min as f64);
-        } else if in_flight * 2 >= self.limit() {
-            let step = if self.limit < self.threshold {
-                1.0
-            } else {
-                1.0 / self.limit
-            };
-            self.limit = (self.limit + step).min(self.max as f64);
-            self.grew = true;
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use rand::{SeedableRng, rngs::StdRng};
 
-    use super::*;
+    use super::{rates::PACE_WINDOW, *};
 
     fn options(max: usize) -> AdmissionOptions {
         AdmissionOptions {
@@ -1346,73 +1063,6 @@ mod tests {
         );
     }
 
-    /// `count` sends answered `every` apart, not full, then the window
-    /// ends: the pace measured.
-    fn serve(pace: &mut Pace, now: &mut Instant, every: Duration, count: u32) -> f64 {
-        for _ in 0..count {
-            *now += every;
-            pace.answered(*now);
-        }
-        *now += PACE_WINDOW;
-        pace.answered(*now);
-        pace.rate.expect("a window ended")
-    }
-
-    #[test]
-    fn appointments_are_paced_at_what_the_gateway_serves_while_full() {
-        let mut now = Instant::now();
-        let mut pace = Pace::new(now);
-        // Not full, serving 4,000 a second: at least that much.
-        let open = serve(&mut pace, &mut now, Duration::from_micros(250), 1000);
-        assert!((3_900.0..=4_100.0).contains(&open), "{open}");
-        // Full (refusing) and serving 2,000 a second: the pace comes down to
-        // it within a few windows.
-        for _ in 0..4000 {
-            now += Duration::from_micros(500);
-            pace.refused(now);
-            pace.answered(now);
-        }
-        let full = pace.rate.unwrap();
-        assert!((1_900.0..=2_150.0).contains(&full), "{full}");
-        assert!(
-            (pace.spacing().as_secs_f64() - 1.0 / full).abs() < 1e-9,
-            "one appointment per send served"
-        );
-        // Windows serving less without refusing (demand fell) do not lower
-        // it.
-        now += PACE_WINDOW;
-        pace.answered(now);
-        let settled = pace.rate.unwrap();
-        for _ in 0..200 {
-            now += Duration::from_millis(5);
-            pace.answered(now);
-        }
-        assert_eq!(pace.rate.unwrap(), settled);
-    }
-
-    #[test]
-    fn a_stall_is_not_taken_for_the_capacity() {
-        let mut now = Instant::now();
-        let mut pace = Pace::new(now);
-        // Serving 200 a second, not full.
-        let before = serve(&mut pace, &mut now, Duration::from_millis(5), 200);
-        // The database stops for 4 s: every send refused, none answered.
-        // Appointments stay near the pace before it (phones refused in the
-        // stall come back soon after it), not one every 100 ms.
-        let stall = |pace: &mut Pace, now: &mut Instant, seconds: u64| {
-            for _ in 0..seconds * 100 {
-                *now += Duration::from_millis(10);
-                pace.refused(*now);
-            }
-        };
-        stall(&mut pace, &mut now, 4);
-        let spacing = pace.spacing().as_secs_f64();
-        assert!(spacing < 3.0 / before, "{spacing} s between appointments");
-        // A long outage spreads the phones out.
-        stall(&mut pace, &mut now, 30);
-        assert_eq!(pace.spacing(), Duration::from_secs_f64(1.0 / PACE_MIN));
-    }
-
     #[test]
     fn a_phone_on_time_while_far_over_the_limit_gets_a_new_appointment_at_the_end() {
         let now = Instant::now();
@@ -1458,48 +1108,6 @@ mod tests {
             door.admit(key, now).unwrap();
         }
         assert!(door.state.book.is_empty());
-    }
-
-    #[test]
-    fn late_answers_cut_the_limit_once_per_round_trip_and_timely_ones_grow_it() {
-        let now = Instant::now();
-        let mut aimd = Aimd::new(AdmissionOptions {
-            initial: 100,
-            min: 10,
-            max: 1000,
-            target: Duration::from_millis(250),
-            horizon: Duration::from_secs(20),
-        });
-        // 100 sends caught together in one slow second: one cut.
-        let end = now + Duration::from_secs(1);
-        for in_flight in (1..=100).rev() {
-            aimd.update(now, end, in_flight, true);
-        }
-        assert_eq!(aimd.limit(), 90);
-        // A send started after that cut and late again: another cut.
-        aimd.update(end, end + Duration::from_secs(1), 90, true);
-        assert_eq!(aimd.limit(), 81);
-        // Below half the limit it had, timely sends grow it by one each.
-        let mut low = Aimd::new(AdmissionOptions {
-            initial: 1000,
-            min: 10,
-            max: 1000,
-            ..AdmissionOptions::default()
-        });
-        for round in 0..50 {
-            let t = now + Duration::from_secs(round);
-            low.update(t, t, 1000, true);
-        }
-        assert_eq!(low.limit(), 10);
-        let t = now + Duration::from_secs(100);
-        for _ in 0..100 {
-            low.update(t, t, 1000, false);
-        }
-        assert_eq!(low.limit(), 110, "slow start after a collapse");
-        // An idle gateway's limit does not grow.
-        let before = aimd.limit();
-        aimd.update(t, t, 1, false);
-        assert_eq!(aimd.limit(), before);
     }
 
     #[test]

@@ -1,0 +1,212 @@
+//! What the admission measures: what the gateway serves per second while
+//! it is full (the pace of appointments) and new sends arriving against
+//! sends answered (whether a backlog is draining).
+
+use std::time::{Duration, Instant};
+
+/// What the gateway serves per second while it is full, measured over
+/// short windows: a window in which a send was refused measured the
+/// capacity (smoothed), unless it answered almost nothing (a stall, which
+/// lowers the estimate slowly); one without refusals served all that came,
+/// so it only raises the estimate. Appointments are spaced by it. (Sends in
+/// flight divided by their latency is not it: under a CPU-bound surge the
+/// latency includes the time spent refusing, and appointments booked that
+/// slow left the gateway idle later with tens of thousands waiting.)
+#[derive(Debug)]
+pub(super) struct Pace {
+    /// Sends per second; `None` until a window ended.
+    pub(super) rate: Option<f64>,
+    window_start: Instant,
+    answered: u32,
+    full: bool,
+}
+
+/// A measuring window.
+pub(super) const PACE_WINDOW: Duration = Duration::from_millis(250);
+/// Weight of a full window's measure in the estimate.
+const PACE_WEIGHT: f64 = 0.3;
+/// The pace assumed before a window ended, and the slowest.
+const PACE_MIN: f64 = 10.0;
+/// A full window that answered less than this share of the pace is a
+/// stall (a database paused, a shard gone), not a measure of capacity: the
+/// pace then only decays by [`STALL_DECAY`] a window, halving in about
+/// 3.4 s, so the appointments of a short stall end soon after it instead of
+/// tens of seconds later.
+const STALL_SHARE: f64 = 0.1;
+const STALL_DECAY: f64 = 0.95;
+
+impl Pace {
+    pub(super) fn new(now: Instant) -> Self {
+        Self {
+            rate: None,
+            window_start: now,
+            answered: 0,
+            full: false,
+        }
+    }
+
+    pub(super) fn answered(&mut self, now: Instant) {
+        self.answered = self.answered.saturating_add(1);
+        self.roll(now);
+    }
+
+    pub(super) fn refused(&mut self, now: Instant) {
+        self.roll(now);
+        self.full = true;
+    }
+
+    fn roll(&mut self, now: Instant) {
+        let elapsed = now.saturating_duration_since(self.window_start);
+        if elapsed < PACE_WINDOW {
+            return;
+        }
+        let served = f64::from(self.answered) / elapsed.as_secs_f64();
+        self.rate = Some(match self.rate {
+            Some(rate) if self.full && served < STALL_SHARE * rate => rate * STALL_DECAY,
+            Some(rate) if self.full => rate + PACE_WEIGHT * (served - rate),
+            Some(rate) => rate.max(served),
+            None => served,
+        });
+        self.restart(now);
+    }
+
+    fn restart(&mut self, now: Instant) {
+        self.window_start = now;
+        self.answered = 0;
+        self.full = false;
+    }
+
+    /// The time between two appointments.
+    pub(super) fn spacing(&self) -> Duration {
+        Duration::from_secs_f64(1.0 / self.rate.unwrap_or(PACE_MIN).max(PACE_MIN))
+    }
+}
+
+/// New sends arriving and sends answered per second, smoothed over
+/// [`PACE_WINDOW`]s.
+#[derive(Debug)]
+pub(super) struct Flow {
+    window_start: Instant,
+    arrived: u32,
+    answered: u32,
+    arrivals: f64,
+    answers: f64,
+}
+
+/// Weight of a window's counts in the smoothed rates.
+const FLOW_WEIGHT: f64 = 0.5;
+/// New sends arriving at less than this share of the sends answered: the
+/// surge is over, new sends go before the backlog.
+pub(super) const DRAIN_SHARE: f64 = 0.6;
+
+impl Flow {
+    pub(super) fn new(now: Instant) -> Self {
+        Self {
+            window_start: now,
+            arrived: 0,
+            answered: 0,
+            arrivals: 0.0,
+            answers: 0.0,
+        }
+    }
+
+    pub(super) fn arrived(&mut self, now: Instant) {
+        self.arrived = self.arrived.saturating_add(1);
+        self.roll(now);
+    }
+
+    pub(super) fn answered(&mut self, now: Instant) {
+        self.answered = self.answered.saturating_add(1);
+        self.roll(now);
+    }
+
+    fn roll(&mut self, now: Instant) {
+        let elapsed = now.saturating_duration_since(self.window_start);
+        if elapsed < PACE_WINDOW {
+            return;
+        }
+        let seconds = elapsed.as_secs_f64();
+        let arrivals = f64::from(std::mem::take(&mut self.arrived)) / seconds;
+        let answers = f64::from(std::mem::take(&mut self.answered)) / seconds;
+        self.arrivals += FLOW_WEIGHT * (arrivals - self.arrivals);
+        self.answers += FLOW_WEIGHT * (answers - self.answers);
+        self.window_start = now;
+    }
+
+    /// Fewer new sends arrive than [`DRAIN_SHARE`] of those answered.
+    pub(super) fn draining(&self) -> bool {
+        self.arrivals < DRAIN_SHARE * self.answers
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `count` sends answered `every` apart, not full, then the window
+    /// ends: the pace measured.
+    fn serve(pace: &mut Pace, now: &mut Instant, every: Duration, count: u32) -> f64 {
+        for _ in 0..count {
+            *now += every;
+            pace.answered(*now);
+        }
+        *now += PACE_WINDOW;
+        pace.answered(*now);
+        pace.rate.expect("a window ended")
+    }
+
+    #[test]
+    fn appointments_are_paced_at_what_the_gateway_serves_while_full() {
+        let mut now = Instant::now();
+        let mut pace = Pace::new(now);
+        // Not full, serving 4,000 a second: at least that much.
+        let open = serve(&mut pace, &mut now, Duration::from_micros(250), 1000);
+        assert!((3_900.0..=4_100.0).contains(&open), "{open}");
+        // Full (refusing) and serving 2,000 a second: the pace comes down to
+        // it within a few windows.
+        for _ in 0..4000 {
+            now += Duration::from_micros(500);
+            pace.refused(now);
+            pace.answered(now);
+        }
+        let full = pace.rate.unwrap();
+        assert!((1_900.0..=2_150.0).contains(&full), "{full}");
+        assert!(
+            (pace.spacing().as_secs_f64() - 1.0 / full).abs() < 1e-9,
+            "one appointment per send served"
+        );
+        // Windows serving less without refusing (demand fell) do not lower
+        // it.
+        now += PACE_WINDOW;
+        pace.answered(now);
+        let settled = pace.rate.unwrap();
+        for _ in 0..200 {
+            now += Duration::from_millis(5);
+            pace.answered(now);
+        }
+        assert_eq!(pace.rate.unwrap(), settled);
+    }
+
+    #[test]
+    fn a_stall_is_not_taken_for_the_capacity() {
+        let mut now = Instant::now();
+        let mut pace = Pace::new(now);
+        // Serving 200 a second, not full.
+        let before = serve(&mut pace, &mut now, Duration::from_millis(5), 200);
+        // The database stops for 4 s: every send refused, none answered.
+        // Appointments stay near the pace before it (phones refused in the
+        // stall come back soon after it), not one every 100 ms.
+        let stall = |pace: &mut Pace, now: &mut Instant, seconds: u64| {
+            for _ in 0..seconds * 100 {
+                *now += Duration::from_millis(10);
+                pace.refused(*now);
+            }
+        };
+        stall(&mut pace, &mut now, 4);
+        let spacing = pace.spacing().as_secs_f64();
+        assert!(spacing < 3.0 / before, "{spacing} s between appointments");
+        // A long outage spreads the phones out.
+        stall(&mut pace, &mut now, 30);
+        assert_eq!(pace.spacing(), Duration::from_secs_f64(1.0 / PACE_MIN));
+    }
+}
