@@ -2,7 +2,6 @@
 //! flight at once.
 
 use std::{
-    collections::HashMap,
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -10,19 +9,30 @@ use std::{
 use axum::extract::ws::{CloseFrame, Message, WebSocket, close_code};
 use futures_util::{SinkExt, StreamExt};
 use imdedup_domain::{
-    Error, ErrorKind,
-    model::{Ack, ClientMsgId, ConversationId, HistoryQuery, Sender, StoredMessage},
+    Error,
+    model::{Ack, Sender},
 };
-use imdedup_proto::convert;
 use imdedup_runtime::metrics::GaugeGuard;
-use tokio::sync::{Notify, Semaphore, mpsc, oneshot};
+use tokio::sync::{Semaphore, mpsc};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
+mod held;
+mod history;
+mod order;
+mod send;
+
+pub(crate) use send::for_phone;
+
+use self::{
+    held::{HeldSends, serve_held},
+    history::history,
+    order::{SendOrder, Turn},
+    send::send,
+};
 use crate::{
     AdmittedSend, Gateway, Held,
-    admission::{Completion, Pass},
+    admission::Completion,
     frames::{self, Encoded, Encoding, HistoryCmd, Inbound, Outbound, ReplyTo, SendCmd},
-    resends::Leader,
 };
 
 /// What the token said about this connection.
@@ -353,140 +363,6 @@ impl Reply {
     }
 }
 
-/// The sends this connection holds for their appointments.
-#[derive(Default)]
-struct HeldSends {
-    /// Per conversation with held sends, the signal that moves them ahead
-    /// of the backlog; each of its held sends still waiting for a place
-    /// holds a clone (see [`HeldSends::waiting`]).
-    promote: HashMap<String, Arc<Notify>>,
-    /// Size of `promote` at which the conversations without held sends are
-    /// forgotten next.
-    prune_at: usize,
-    /// Cancelled when the connection ends: held sends not started yet are
-    /// answered `unavailable` then.
-    closing: CancellationToken,
-}
-
-/// Whether a held send of the conversation whose promotion signal this is
-/// still waits for a place: each such send keeps a clone until its place
-/// comes.
-fn still_held(promote: &Arc<Notify>) -> bool {
-    Arc::strong_count(promote) > 1
-}
-
-impl HeldSends {
-    /// Whether a send of `conversation` is held and still waits for a
-    /// place, whether or not its appointment has come: a send behind it
-    /// must then be held too. Taken in, it would wait for that send's turn
-    /// holding a place of the limit, and sends waiting like that, once
-    /// they hold every place, leave none for the held sends they wait for
-    /// (on Redis + Cassandra at 3x the capacity every send in flight waited
-    /// so and nothing was answered for a minute).
-    fn waiting(&self, conversation: &str) -> bool {
-        self.promote.get(conversation).is_some_and(still_held)
-    }
-
-    /// Hold a send of `conversation`: the signal it listens to for
-    /// promotion, to keep until its place comes.
-    fn hold(&mut self, conversation: &str) -> Arc<Notify> {
-        prune(&mut self.promote, &mut self.prune_at, |_, promote| {
-            still_held(promote)
-        });
-        Arc::clone(self.promote.entry(conversation.to_owned()).or_default())
-    }
-
-    /// A new send of `conversation` came: while the backlog drains, its
-    /// held sends go ahead of the backlog, so that this one does not wait
-    /// behind all of it.
-    fn promote_if_draining(&self, conversation: &str, gateway: &Gateway) {
-        if let Some(promote) = self.promote.get(conversation)
-            && still_held(promote)
-            && gateway.draining()
-        {
-            promote.notify_waiters();
-        }
-    }
-}
-
-/// Send a held send when its place comes, after the sends of its
-/// conversation before it, and answer it; or answer `unavailable` if the
-/// connection ends first.
-async fn serve_held(
-    reply: Reply,
-    sender: Sender,
-    cmd: SendCmd,
-    hold: Held,
-    turn: Turn,
-    closing: CancellationToken,
-    promote: Arc<Notify>,
-) {
-    let Held {
-        mut ticket,
-        mut promoted,
-        leader,
-        ..
-    } = hold;
-    let Turn { mut after, done } = turn;
-    let mut urgent = false;
-    let placed = loop {
-        tokio::select! {
-            () = closing.cancelled() => break Err(Error::unavailable(
-                "the connection closed before the queued send's turn; not stored: resend with the same id",
-            )),
-            pass = ticket.place() => break pass.ok_or_else(|| reply.gateway.held_too_long()),
-            // Its conversation has a new send while the backlog drains:
-            // ahead of the backlog,
-            () = promote.notified(), if !promoted => promoted = true,
-            // once the sends before it are answered (the old ticket,
-            // dropped, leaves the queue). Ahead of them it would take a
-            // place and wait for their turn in it, and sends waiting so,
-            // once they hold every place, leave none for those before them.
-            () = answered(&mut after), if promoted && !urgent => {
-                ticket = reply.gateway.hold_urgent(&sender, &cmd.id);
-                urgent = true;
-            }
-        }
-    };
-    let turn = Turn { after, done };
-    // No longer waiting for a place: a new send of the conversation may
-    // take one and wait for this send's turn.
-    drop(promote);
-    // Tens of thousands wait here in a surge, each a task: the send's own
-    // state (2 KB of gRPC call) is allocated when its place comes, not for
-    // the whole wait (632 bytes a held task instead of 2,560).
-    Box::pin(send_held(reply, sender, cmd, placed, turn, leader)).await;
-}
-
-/// A held send, once its place came (or never will): sent in its
-/// conversation's turn, and answered.
-async fn send_held(
-    reply: Reply,
-    sender: Sender,
-    cmd: SendCmd,
-    placed: Result<Pass, Error>,
-    turn: Turn,
-    leader: Option<Leader>,
-) {
-    let to = ReplyTo::send(&cmd);
-    let id_b64 = cmd.id_b64;
-    let in_flight = reply.gateway.metrics().send_started();
-    let result = match placed {
-        Ok(pass) => {
-            let going = turn.wait().await;
-            let result = send(&reply.gateway, sender, cmd).await;
-            drop(going);
-            pass.finish(Completion::of(&result));
-            result
-        }
-        Err(error) => Err(error),
-    };
-    if let Some(leader) = leader {
-        leader.answer(&result);
-    }
-    reply.send(to, id_b64, result, in_flight).await;
-}
-
 /// What a frame asks for, once taken in.
 enum Work {
     Send(SendCmd, AdmittedSend),
@@ -510,82 +386,6 @@ fn close_frame(code: u16, reason: &'static str) -> CloseFrame {
 fn frame_too_big(error: &axum::Error) -> bool {
     let text = error.to_string();
     text.contains("Message too long") || text.contains("Frame too long")
-}
-
-/// Keeps the sends of one conversation on one connection in the order the
-/// phone sent them: each waits until the one before it has been answered, so
-/// seqs follow send order. Sends to other conversations do not wait.
-#[derive(Default)]
-struct SendOrder {
-    /// Per conversation, the signal that its latest send was answered.
-    last: HashMap<String, oneshot::Receiver<()>>,
-    /// Size of `last` at which the answered conversations are forgotten
-    /// next.
-    prune_at: usize,
-}
-
-/// A send's place in its conversation's order.
-struct Turn {
-    after: Option<oneshot::Receiver<()>>,
-    done: oneshot::Sender<()>,
-}
-
-/// Held while a send is in progress; dropping it (and so its sender) lets
-/// the next one go.
-struct Going {
-    _done: oneshot::Sender<()>,
-}
-
-impl SendOrder {
-    fn next(&mut self, conversation: &str) -> Turn {
-        // Forget conversations whose last send was answered.
-        prune(&mut self.last, &mut self.prune_at, |_, rx| {
-            matches!(rx.try_recv(), Err(oneshot::error::TryRecvError::Empty))
-        });
-        let (done, rx) = oneshot::channel();
-        let after = self.last.insert(conversation.to_owned(), rx);
-        Turn { after, done }
-    }
-}
-
-/// A connection keeps this many conversations before it first forgets
-/// finished ones.
-const PRUNE_FROM: usize = 64;
-
-/// Forget the entries of `map` that `keep` rejects, each time the map has
-/// doubled since the last time (and from [`PRUNE_FROM`] entries). While a
-/// backlog stands, hundreds of a connection's conversations have a send
-/// pending; going through all of them on every send (as before) cost the
-/// gateway time in proportion to its backlog, just when it had least.
-fn prune<V>(
-    map: &mut HashMap<String, V>,
-    prune_at: &mut usize,
-    keep: impl FnMut(&String, &mut V) -> bool,
-) {
-    if map.len() >= *prune_at {
-        map.retain(keep);
-        *prune_at = map.len().saturating_mul(2).max(PRUNE_FROM);
-    }
-}
-
-/// Wait until the send before (if any) is answered; `after` is `None`
-/// from then on.
-async fn answered(after: &mut Option<oneshot::Receiver<()>>) {
-    if let Some(before) = after.as_mut() {
-        let _ = before.await;
-    }
-    *after = None;
-}
-
-impl Turn {
-    /// Wait until the previous send of the conversation was answered (or
-    /// dropped).
-    async fn wait(self) -> Going {
-        if let Some(after) = self.after {
-            let _ = after.await;
-        }
-        Going { _done: self.done }
-    }
 }
 
 /// Answer a frame the gateway will not act on with `error`; a refused send
@@ -618,239 +418,11 @@ fn message(encoded: Encoded) -> Message {
     }
 }
 
-/// One send is one trace, and this span is its root: the phone carries no
-/// trace context. Kind server (the gateway answers the phone); the hops to
-/// ingest and storage continue it (see `imdedup_runtime::telemetry`).
-#[tracing::instrument(
-    name = "imdedup.send",
-    skip_all,
-    fields(
-        otel.kind = "server",
-        otel.status_code = tracing::field::Empty,
-        network.protocol.name = "websocket",
-        imdedup.outcome = tracing::field::Empty,
-        error.type = tracing::field::Empty,
-    )
-)]
-async fn send(gateway: &Gateway, sender: Sender, cmd: SendCmd) -> Result<Ack, Error> {
-    let validated = if ClientMsgId::is_reserved_for_business(&cmd.id) {
-        // Those IDs are derived from business idempotency keys: a phone
-        // must not be able to answer for, or collide with, a business call.
-        Err(Error::invalid(
-            "client message ids starting with \"bk:\" are reserved for the business API",
-        ))
-    } else {
-        convert::new_message(
-            sender.as_str().to_owned(),
-            cmd.id,
-            cmd.conversation,
-            cmd.body,
-            gateway.config.max_body_bytes,
-        )
-    };
-    let authorized = match validated {
-        Ok(message) => gateway
-            .config
-            .authz
-            .check(&sender, &message.conversation)
-            .await
-            .map(|()| message),
-        Err(e) => Err(e),
-    };
-    let result = match authorized {
-        Ok(message) => {
-            let (shard, result) = gateway
-                .shards
-                .send(message, gateway.config.send_timeout)
-                .await;
-            gateway
-                .metrics()
-                .shard_replied(shard, result.as_ref().map(|_| ()).map_err(Error::kind));
-            result.map_err(for_phone)
-        }
-        Err(e) => Err(e),
-    };
-    let span = tracing::Span::current();
-    match &result {
-        Ok(ack) => {
-            span.record("imdedup.outcome", ack.outcome.as_str());
-        }
-        Err(error) => {
-            span.record("error.type", error.kind().as_str());
-            if error.retryable() {
-                span.record("otel.status_code", "ERROR");
-            }
-        }
-    }
-    result
-}
-
-/// An error from ingest or storage, as the phone gets it. The gateway has
-/// validated the frame already, so a refusal further on is not final for the
-/// phone (a rolling update can change limits between hops): not stored,
-/// resend. The text says what to do, never which node, file or driver
-/// failed; the full cause goes to the log.
-pub(crate) fn for_phone(error: Error) -> Error {
-    if error.kind() == ErrorKind::IdReused {
-        return error;
-    }
-    if error.kind() == ErrorKind::Overloaded {
-        // Refusals under load come by the thousand and are counted in the
-        // metrics: a log line each would add to the load.
-        tracing::debug!(error = %error, "backend busy");
-    } else {
-        tracing::warn!(error = %error, "backend error");
-    }
-    let (kind, message) = match error.kind() {
-        ErrorKind::MaybeStored => (
-            ErrorKind::MaybeStored,
-            "this send may be stored; resend with the same id to settle it",
-        ),
-        ErrorKind::DeadlineExceeded => (
-            ErrorKind::DeadlineExceeded,
-            "no answer in time; this send may be stored: resend with the same id",
-        ),
-        ErrorKind::Overloaded => (
-            ErrorKind::Overloaded,
-            "the service is busy; not stored: resend with the same id after a pause",
-        ),
-        ErrorKind::Internal => (
-            ErrorKind::Internal,
-            "internal error; resend with the same id",
-        ),
-        ErrorKind::Unavailable
-        | ErrorKind::InvalidArgument
-        | ErrorKind::Unauthenticated
-        | ErrorKind::PermissionDenied
-        | ErrorKind::IdReused => (
-            ErrorKind::Unavailable,
-            "the service is unavailable; not stored: resend with the same id",
-        ),
-    };
-    // The backend's hint when it gave one, else a pause that spreads
-    // resends out instead of bringing them straight back.
-    let retry_after = error.retry_after().or(match kind {
-        ErrorKind::Overloaded => Some(crate::BUSY_RETRY_AFTER),
-        ErrorKind::Unavailable => Some(UNAVAILABLE_RETRY_AFTER),
-        _ => None,
-    });
-    let phone = Error::new(kind, message);
-    match retry_after {
-        Some(after) => phone.with_retry_after(after),
-        None => phone,
-    }
-}
-
-/// How long a phone is asked to wait after `unavailable`.
-const UNAVAILABLE_RETRY_AFTER: Duration = Duration::from_secs(1);
-
-/// A backend's failure to serve a pull, as the phone sees it. A pull
-/// changes nothing, so whatever went wrong behind the gateway (the
-/// database down or slow, a pending row it could not settle) means the
-/// same to the phone: `unavailable`, pull again after the backend's hint or
-/// a second. The send-path words (`maybe_stored`, "resend with the same
-/// id") do not apply.
-fn pull_failed(error: Error) -> Error {
-    tracing::warn!(error = %error, "history pull failed");
-    let wait = error.retry_after().unwrap_or(UNAVAILABLE_RETRY_AFTER);
-    Error::unavailable("history is unavailable right now; pull again").with_retry_after(wait)
-}
-
-async fn history(gateway: &Gateway, sender: &Sender, cmd: HistoryCmd) -> Outbound {
-    let to = ReplyTo::history(&cmd);
-    let query = ConversationId::parse(cmd.conversation.clone())
-        .and_then(|conversation| HistoryQuery::new(conversation, cmd.after_seq, cmd.limit));
-    let result = match query {
-        Ok(query) => match gateway
-            .config
-            .authz
-            .check(sender, &query.conversation)
-            .await
-        {
-            Ok(()) => gateway.history(&query).await.map_err(pull_failed),
-            Err(e) => Err(e),
-        },
-        Err(e) => Err(e),
-    };
-    match result {
-        Ok(mut messages) => {
-            keep_within(&mut messages, gateway.config.limits.max_history_page_bytes);
-            Outbound::History {
-                reference: cmd.reference,
-                conversation: cmd.conversation,
-                messages,
-            }
-        }
-        Err(error) => Outbound::Error { to, error },
-    }
-}
-
-/// Cut a page after the messages whose bodies fit in `max_bytes` (keeping
-/// at least one): the phone pages on from the last seq it got, and only an
-/// empty page ends the history.
-fn keep_within(messages: &mut Vec<StoredMessage>, max_bytes: usize) {
-    let mut total = 0;
-    let fits = messages
-        .iter()
-        .take_while(|m| {
-            total += m.body.len();
-            total <= max_bytes
-        })
-        .count();
-    messages.truncate(fits.max(1));
-}
-
 #[cfg(test)]
 mod tests {
+    use tokio::sync::Notify;
+
     use super::*;
-
-    #[tokio::test]
-    async fn send_order_forgets_answered_conversations_and_keeps_pending_ones() {
-        let mut order = SendOrder::default();
-        // 300 conversations with a send pending, then thousands answered.
-        let pending: Vec<Turn> = (0..300).map(|i| order.next(&format!("p{i}"))).collect();
-        for i in 0..5_000 {
-            drop(order.next(&format!("a{i}")));
-        }
-        assert!(
-            order.last.len() < 2 * 300 + PRUNE_FROM,
-            "answered conversations are forgotten: {} kept",
-            order.last.len()
-        );
-        // Every pending conversation still orders its next send after it.
-        let mut going = Vec::new();
-        for (i, first) in pending.into_iter().enumerate() {
-            let next = order.next(&format!("p{i}"));
-            assert!(next.after.is_some(), "p{i} forgot its pending send");
-            going.push((first.wait().await, next));
-        }
-        let (first, next) = going.pop().expect("a pending conversation");
-        let waiting = next.wait();
-        tokio::pin!(waiting);
-        let early = tokio::time::timeout(Duration::from_millis(20), &mut waiting).await;
-        assert!(early.is_err(), "waits for the send before it");
-        drop(first);
-        let after = tokio::time::timeout(Duration::from_secs(5), &mut waiting).await;
-        assert!(after.is_ok(), "goes once it is answered");
-    }
-
-    /// A held send whose appointment passed while the gateway was behind
-    /// still waits for a place, so a new send of its conversation must be
-    /// held behind it (not take a place and wait for its turn there); once
-    /// its place came, a new send may go.
-    #[test]
-    fn a_held_send_holds_back_its_conversation_until_its_place_comes() {
-        let mut held = HeldSends::default();
-        assert!(!held.waiting("dm:ana:bo"));
-        let listening = held.hold("dm:ana:bo");
-        assert!(held.waiting("dm:ana:bo"));
-        assert!(!held.waiting("dm:ana:carl"));
-        let second = held.hold("dm:ana:bo");
-        drop(listening);
-        assert!(held.waiting("dm:ana:bo"), "one of its sends still waits");
-        drop(second);
-        assert!(!held.waiting("dm:ana:bo"));
-    }
 
     /// A gateway whose backends are never reached.
     fn gateway(limits: crate::limits::Limits) -> Arc<Gateway> {
@@ -1146,109 +718,6 @@ mod tests {
         assert!(
             kept <= charged,
             "a held send keeps {kept} bytes; the budget charges {charged}"
-        );
-    }
-
-    #[test]
-    fn prune_runs_again_only_after_the_map_doubles() {
-        let mut map: HashMap<String, bool> = HashMap::new();
-        let mut prune_at = 0;
-        let mut sweeps = 0;
-        for i in 0..10_000 {
-            prune(&mut map, &mut prune_at, |_, _| {
-                sweeps += 1;
-                true
-            });
-            map.insert(i.to_string(), true);
-        }
-        // Everything kept: sweeps at 64, 128, 256, ... entries, each over
-        // the whole map, sum under twice the final size.
-        assert!(
-            sweeps < 2 * 10_000,
-            "{sweeps} entries visited for 10,000 inserts"
-        );
-    }
-
-    #[test]
-    fn a_failed_pull_is_unavailable_with_a_wait_and_tells_no_internals() {
-        let cases = [
-            Error::unavailable("cql history: connection refused by 10.1.2.3:9042"),
-            Error::new(
-                ErrorKind::MaybeStored,
-                "cql history commit: keyspace f1 does not exist",
-            ),
-            Error::new(ErrorKind::DeadlineExceeded, "storage:7300 slow"),
-            Error::internal("sqlite: /data/messages.db is locked"),
-            Error::overloaded("storage busy", Duration::from_millis(300)),
-        ];
-        for error in cases {
-            let kind = error.kind();
-            let hint = error.retry_after();
-            let phone = pull_failed(error);
-            assert_eq!(phone.kind(), ErrorKind::Unavailable, "{kind:?}");
-            assert!(phone.retryable());
-            assert_eq!(
-                phone.retry_after(),
-                Some(hint.unwrap_or(UNAVAILABLE_RETRY_AFTER)),
-                "{kind:?}: the backend's hint, else a second"
-            );
-            assert!(phone.message().contains("pull again"));
-            for internal in ["10.1.2.3", "cql", "/data", "storage", "sqlite", "same id"] {
-                assert!(!phone.message().contains(internal), "{internal}");
-            }
-        }
-    }
-
-    #[test]
-    fn a_backend_refusal_is_not_final_and_tells_no_internals() {
-        let refused = for_phone(Error::invalid(
-            "body is 20000 bytes, more than the limit of 16384 (ingest 10.1.2.3:7200)",
-        ));
-        assert_eq!(refused.kind(), ErrorKind::Unavailable);
-        assert!(refused.retryable());
-        let cases = [
-            Error::unavailable("cql insert: connection refused by 10.1.2.3:9042"),
-            Error::new(
-                ErrorKind::MaybeStored,
-                "cql history write: /var/lib/scylla timeout",
-            ),
-            Error::new(ErrorKind::DeadlineExceeded, "ingest-0.ingest:7200 slow"),
-            Error::internal("sqlite: /data/messages.db is locked"),
-            Error::new(ErrorKind::Overloaded, "queue of ingest-1 full"),
-        ];
-        for error in cases {
-            let kind = error.kind();
-            let phone = for_phone(error);
-            assert_eq!(phone.kind(), kind, "the kind is kept");
-            assert_eq!(
-                phone.retry_after().is_some(),
-                matches!(kind, ErrorKind::Overloaded | ErrorKind::Unavailable),
-                "{kind:?}: busy and unavailable answers say when to come back"
-            );
-            for internal in ["10.1.2.3", "cql", "/var", "/data", "ingest-", "sqlite"] {
-                assert!(
-                    !phone.message().contains(internal),
-                    "{internal} leaked: {}",
-                    phone.message()
-                );
-            }
-            assert!(phone.message().contains("same id"), "{}", phone.message());
-        }
-        let receipt = imdedup_domain::model::Receipt {
-            server_id: 7,
-            seq: 3,
-        };
-        let hinted = for_phone(Error::overloaded("db limit", Duration::from_millis(70)));
-        assert_eq!(
-            hinted.retry_after(),
-            Some(Duration::from_millis(70)),
-            "the backend's hint is kept"
-        );
-        let reused = for_phone(Error::id_reused(receipt));
-        assert_eq!(
-            reused.original(),
-            Some(receipt),
-            "id_reused keeps its answer"
         );
     }
 }
