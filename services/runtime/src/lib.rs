@@ -14,9 +14,12 @@
 //! - [`metrics`] and [`admin`]: the Prometheus metrics and the admin HTTP
 //!   port (`/metrics`, `/healthz`, `/readyz`).
 //! - [`telemetry`]: the log, OpenTelemetry traces, and the trace context
-//!   carried between services.
+//!   carried between services;
+//! - [`aimd`]: the adaptive limit on work in flight that the gateway's
+//!   admission and the ingest's database limit share.
 
 pub mod admin;
+pub mod aimd;
 pub mod metrics;
 pub mod process;
 pub mod secret;

@@ -86,10 +86,11 @@ use imdedup_domain::{Error, ErrorKind, model::Ack};
 use rand::Rng;
 use tokio::sync::oneshot;
 
-mod control;
+mod drain;
 mod rates;
 
-use control::{Aimd, DRAIN_BEHIND, DrainCap};
+use drain::{DRAIN_BEHIND, DrainCap};
+use imdedup_runtime::aimd::Aimd;
 use rates::{Flow, Pace};
 
 /// Bounds of the admission limit and of the appointments.
@@ -439,6 +440,8 @@ impl Admission {
 #[derive(Debug)]
 struct State {
     aimd: Aimd,
+    /// A send answered later than this cuts the limit.
+    target: Duration,
     in_flight: usize,
     /// Of those, new sends (see [`Pass`]).
     new_in_flight: usize,
@@ -463,7 +466,8 @@ struct State {
 impl State {
     fn new(options: AdmissionOptions, now: Instant) -> Self {
         Self {
-            aimd: Aimd::new(options),
+            aimd: Aimd::new(options.initial, options.min, options.max),
+            target: options.target,
             in_flight: 0,
             new_in_flight: 0,
             drain: DrainCap::new(options.initial as f64),
@@ -600,7 +604,7 @@ impl State {
         let rtt = now.saturating_duration_since(started);
         self.pace.answered(now);
         self.flow.answered(now);
-        let congested = completion == Completion::Congested || rtt > self.aimd.target;
+        let congested = completion == Completion::Congested || rtt > self.target;
         self.aimd.update(started, now, in_flight, congested);
         let limit = self.aimd.limit();
         if self.draining() {
@@ -608,7 +612,7 @@ impl State {
                 let late = completion == Completion::Congested
                     || self
                         .drain
-                        .bound(self.aimd.target)
+                        .bound(self.target)
                         .is_some_and(|bound| rtt > bound);
                 self.drain.update(started, now, late, limit);
             }

@@ -110,76 +110,36 @@ impl Drop for Slot {
     }
 }
 
-/// The limit: additive increase per round trip, multiplicative decrease
-/// at most once per round trip, slow start below the threshold (see the
-/// comment of [`super`]).
+/// The limit ([`imdedup_runtime::aimd::Aimd`], see the comment of
+/// [`super`]), with what makes an insert a sign of overload.
 #[derive(Debug)]
 pub(super) struct Aimd {
-    limit: f64,
-    min: usize,
-    max: usize,
+    limit: imdedup_runtime::aimd::Aimd,
     /// An insert slower than this is a sign of overload.
     slow: Duration,
-    /// When the limit was last cut.
-    last_cut: Option<Instant>,
-    /// Below this the limit grows by one per good insert (doubling per
-    /// round trip, TCP's slow start), above it by one per round trip: half
-    /// the limit at the first cut after it last grew, so after a long
-    /// stall has cut it to the floor it gets back to half its old size in
-    /// a few round trips rather than one step per round trip.
-    threshold: f64,
-    /// Whether it grew since the last cut.
-    grew: bool,
 }
-
-/// What a cut leaves of the limit.
-const BACKOFF: f64 = 0.9;
 
 impl Aimd {
     pub(super) fn new(initial: usize, min: usize, max: usize, slow: Duration) -> Self {
-        let min = min.max(1);
-        let max = max.max(min);
         Self {
-            limit: initial.clamp(min, max) as f64,
-            min,
-            max,
+            limit: imdedup_runtime::aimd::Aimd::new(initial, min, max),
             slow,
-            last_cut: None,
-            threshold: 0.0,
-            grew: true,
         }
     }
 
     pub(super) fn max_concurrency(&self) -> usize {
-        (self.limit as usize).clamp(self.min, self.max)
+        self.limit.limit()
     }
 
     /// An insert's outcome: it took `rtt`, with `num_inflight` in flight
-    /// (itself included), and failed or not.
+    /// (itself included), and failed or not. It grows the limit only while
+    /// the limit is used: an idle shard's limit says nothing about the
+    /// database.
     pub(super) fn update(&mut self, rtt: Duration, num_inflight: usize, is_error: bool) {
-        let before = self.max_concurrency();
-        if is_error || rtt > self.slow {
-            let now = Instant::now();
-            let started = now.checked_sub(rtt).unwrap_or(now);
-            if self.last_cut.is_some_and(|cut| started < cut) {
-                return;
-            }
-            self.last_cut = Some(now);
-            if std::mem::take(&mut self.grew) {
-                self.threshold = self.limit / 2.0;
-            }
-            self.limit = (self.limit * BACKOFF).max(self.min as f64);
-        } else if num_inflight * 2 >= before {
-            // Grow only while the limit is used: an idle shard's limit
-            // says nothing about the database.
-            let step = if self.limit < self.threshold {
-                1.0
-            } else {
-                1.0 / self.limit
-            };
-            self.limit = (self.limit + step).min(self.max as f64);
-            self.grew = true;
-        }
+        let now = Instant::now();
+        let started = now.checked_sub(rtt).unwrap_or(now);
+        self.limit
+            .update(started, now, num_inflight, is_error || rtt > self.slow);
     }
 }
 

@@ -1,10 +1,8 @@
-//! The admission's two adaptive limits: the sends in flight (AIMD on the
-//! sends' latency against the target) and, while a backlog drains, the
-//! places it may hold (on new sends' latency against the calm one).
+//! The places a draining backlog may hold, adapted to new sends' latency
+//! against the calm one. (The limit on sends in flight is
+//! `imdedup_runtime::aimd`.)
 
 use std::time::{Duration, Instant};
-
-use super::AdmissionOptions;
 
 /// How many places the backlog may hold while it drains and new sends are
 /// in flight. New sends go in above the limit then, but every send in
@@ -44,6 +42,8 @@ const DRAIN_MIN_SHARE: f64 = 0.125;
 /// served below the pace its appointments were booked at), and some
 /// would give up (measured: 14,751 phones in one such run).
 pub(super) const DRAIN_BEHIND: Duration = Duration::from_secs(5);
+/// What a cut leaves of the cap.
+const BACKOFF: f64 = 0.9;
 /// Weight of one calm send's latency in the mean.
 const CALM_WEIGHT: f64 = 1.0 / 256.0;
 
@@ -96,119 +96,5 @@ impl DrainCap {
     pub(super) fn room(&self, limit: usize) -> usize {
         let limit = limit as f64;
         self.cap.clamp(limit * DRAIN_MIN_SHARE, limit) as usize
-    }
-}
-
-/// The limit: additive increase per round trip, multiplicative decrease at
-/// most once per round trip, slow start below the threshold.
-#[derive(Debug)]
-pub(super) struct Aimd {
-    limit: f64,
-    min: usize,
-    max: usize,
-    pub(super) target: Duration,
-    last_cut: Option<Instant>,
-    /// Below this the limit grows by one per send in time (half the limit
-    /// at the first cut after it last grew).
-    threshold: f64,
-    grew: bool,
-}
-
-/// What a cut leaves of the limit.
-const BACKOFF: f64 = 0.9;
-
-impl Aimd {
-    pub(super) fn new(options: AdmissionOptions) -> Self {
-        let min = options.min.max(1);
-        let max = options.max.max(min);
-        Self {
-            limit: options.initial.clamp(min, max) as f64,
-            min,
-            max,
-            target: options.target,
-            last_cut: None,
-            threshold: 0.0,
-            grew: true,
-        }
-    }
-
-    pub(super) fn limit(&self) -> usize {
-        (self.limit as usize).clamp(self.min, self.max)
-    }
-
-    /// A send admitted at `started` ended at `now`, with `in_flight` in
-    /// flight (itself included), congested or not.
-    pub(super) fn update(
-        &mut self,
-        started: Instant,
-        now: Instant,
-        in_flight: usize,
-        congested: bool,
-    ) {
-        if congested {
-            if self.last_cut.is_some_and(|cut| started < cut) {
-                return;
-            }
-            self.last_cut = Some(now);
-            if std::mem::take(&mut self.grew) {
-                self.threshold = self.limit / 2.0;
-            }
-            self.limit = (self.limit * BACKOFF).max(self.min as f64);
-        } else if in_flight * 2 >= self.limit() {
-            let step = if self.limit < self.threshold {
-                1.0
-            } else {
-                1.0 / self.limit
-            };
-            self.limit = (self.limit + step).min(self.max as f64);
-            self.grew = true;
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn late_answers_cut_the_limit_once_per_round_trip_and_timely_ones_grow_it() {
-        let now = Instant::now();
-        let mut aimd = Aimd::new(AdmissionOptions {
-            initial: 100,
-            min: 10,
-            max: 1000,
-            target: Duration::from_millis(250),
-            horizon: Duration::from_secs(20),
-        });
-        // 100 sends caught together in one slow second: one cut.
-        let end = now + Duration::from_secs(1);
-        for in_flight in (1..=100).rev() {
-            aimd.update(now, end, in_flight, true);
-        }
-        assert_eq!(aimd.limit(), 90);
-        // A send started after that cut and late again: another cut.
-        aimd.update(end, end + Duration::from_secs(1), 90, true);
-        assert_eq!(aimd.limit(), 81);
-        // Below half the limit it had, timely sends grow it by one each.
-        let mut low = Aimd::new(AdmissionOptions {
-            initial: 1000,
-            min: 10,
-            max: 1000,
-            ..AdmissionOptions::default()
-        });
-        for round in 0..50 {
-            let t = now + Duration::from_secs(round);
-            low.update(t, t, 1000, true);
-        }
-        assert_eq!(low.limit(), 10);
-        let t = now + Duration::from_secs(100);
-        for _ in 0..100 {
-            low.update(t, t, 1000, false);
-        }
-        assert_eq!(low.limit(), 110, "slow start after a collapse");
-        // An idle gateway's limit does not grow.
-        let before = aimd.limit();
-        aimd.update(t, t, 1, false);
-        assert_eq!(aimd.limit(), before);
     }
 }
