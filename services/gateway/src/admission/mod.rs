@@ -154,6 +154,11 @@ const PULL_FORWARD: f64 = 0.875;
 pub enum Refusal {
     /// Come back after `retry_after`: the send has an appointment then.
     Appointment { retry_after: Duration },
+    /// A new send while the backlog drains, and no place free: it has an
+    /// appointment one send's time from now, ahead of the backlog's (not
+    /// behind it, where it would wait for all of it). Held, it goes ahead
+    /// of the backlog ([`Admission::hold_urgent`]).
+    AheadOfBacklog { retry_after: Duration },
     /// No appointment could be given (past the horizon, or too many
     /// booked): come back after `retry_after`, jittered.
     Shed { retry_after: Duration },
@@ -162,7 +167,9 @@ pub enum Refusal {
 impl Refusal {
     pub fn retry_after(self) -> Duration {
         match self {
-            Self::Appointment { retry_after } | Self::Shed { retry_after } => retry_after,
+            Self::Appointment { retry_after }
+            | Self::AheadOfBacklog { retry_after }
+            | Self::Shed { retry_after } => retry_after,
         }
     }
 }
@@ -520,6 +527,20 @@ impl State {
                     retry_after: (slot - now).max(MIN_WAIT),
                 });
             }
+            // The surge is over and every place is taken (phones back for
+            // their appointments take them up to twice the limit too): a
+            // new send still goes before the backlog, at the next place.
+            // Booked behind the backlog, new messages waited for all of it
+            // (14-20 s after a 3x surge against the chart's budget for held
+            // sends, which leaves most of the backlog with the phones).
+            None if self.draining() && self.book.len() < MAX_BOOKED => {
+                self.pace.refused(now);
+                let slot = now + self.pace.spacing();
+                self.book.insert(key, slot);
+                return Err(Refusal::AheadOfBacklog {
+                    retry_after: (slot - now).max(MIN_WAIT),
+                });
+            }
             // On time, but the gateway is far over its limit (the
             // appointments were paced faster than it now serves): a new
             // appointment at the end. Asking it back sooner, while the
@@ -848,7 +869,11 @@ mod tests {
         // behind the backlog, which goes in at its appointments, up to
         // twice the limit.
         traffic(&mut door, &mut now, &mut key, 4, 30, 10);
-        assert!(door.admit(key, now).is_err(), "a new send waits its turn");
+        let behind = wait(door.admit(key, now));
+        assert!(
+            behind > Duration::from_secs(1),
+            "a new send waits its turn behind the surge's: {behind:?}"
+        );
         key += 1;
         assert!(
             door.state.next_held(now, stale).is_some(),
@@ -866,6 +891,24 @@ mod tests {
             door.state.next_held(now, stale).is_none(),
             "no place above the limit"
         );
+        // Every place taken (phones back for their appointments take them
+        // up to twice the limit too): a new send is still not booked behind
+        // the backlog, but one send's time from now, ahead of it.
+        door.state.in_flight = 20;
+        let last_slot = door.state.last_slot;
+        let ahead = match door.admit(key, now) {
+            Err(Refusal::AheadOfBacklog { retry_after }) => retry_after,
+            other => panic!("expected a place ahead of the backlog, got {other:?}"),
+        };
+        assert!(ahead < behind / 10, "{ahead:?} against {behind:?}");
+        assert_eq!(door.state.last_slot, last_slot, "the backlog's appointments keep their times");
+        // Back for it, the phone goes in as soon as a place is free, above
+        // the limit, and it is not counted as a new arrival again.
+        door.state.in_flight = 19;
+        assert!(door.admit(key, now + ahead).is_ok(), "in at its appointment");
+        assert!(!door.state.book.contains_key(&key));
+        key += 1;
+        door.state.in_flight = 11;
         // A conversation a new send waits in goes before the backlog, even
         // above the limit (the new send waits for it).
         let (place, mut urgent) = oneshot::channel();

@@ -540,6 +540,43 @@ mod tests {
         assert!(matches!(admitted, Ok(AdmittedSend::Held(_))), "room again");
     }
 
+    /// The budget's last sixty-fourth is for sends going ahead of the
+    /// backlog (new sends while it drains): a backlog that fills the rest
+    /// does not make them wait behind it.
+    #[tokio::test]
+    async fn a_send_going_ahead_of_the_backlog_may_take_the_budgets_reserve() {
+        let cmd = |i: usize| SendCmd {
+            id: format!("m-{i:02}").into_bytes(),
+            id_b64: false,
+            conversation: format!("dm:u{i:02}:bo"),
+            body: "hello".to_owned(),
+            queue: true,
+        };
+        let one = crate::held_bytes(&cmd(1)) as usize;
+        let gateway = gateway(crate::limits::Limits {
+            max_sends_in_flight: 1,
+            // The reserve is one send.
+            max_held_bytes: 64 * one,
+            ..crate::limits::Limits::default()
+        });
+        let sender = |i: usize| Sender::parse(format!("u{i:02}")).expect("a sender");
+        let _taken = gateway.admission.admit("x", b"0").expect("the one place");
+        let hold = |i: usize, ahead: bool| {
+            let key = gateway
+                .resends
+                .key(sender(i).as_str(), &cmd(i).id, &cmd(i).conversation, "hello");
+            gateway.hold(&sender(i), &cmd(i), key, Duration::from_secs(1), ahead)
+        };
+        let backlog: Vec<_> = (1..=63).map(|i| hold(i, false)).collect();
+        assert!(backlog.iter().all(|held| matches!(held, Ok(AdmittedSend::Held(_)))));
+        let refused = hold(64, false).err().expect("the rest is the reserve");
+        assert_eq!(refused.kind(), imdedup_domain::ErrorKind::Overloaded);
+        let ahead = hold(65, true);
+        assert!(matches!(ahead, Ok(AdmittedSend::Held(_))), "held in the reserve");
+        assert!(hold(66, true).is_err(), "the budget is spent");
+        assert_eq!(gateway.metrics().limited_count("held_bytes"), 2);
+    }
+
     /// A send of ana's held for `wait`, its reply going to the receiver.
     fn held_send(
         gateway: &Arc<Gateway>,
