@@ -150,6 +150,9 @@ pub(crate) struct Held {
     /// To go ahead of the backlog ([`Admission::hold_urgent`]) once the
     /// sends of its conversation before it are answered.
     pub promoted: bool,
+    /// A new send that found every place taken while the backlog drains
+    /// ([`Refusal::AheadOfBacklog`]): its place will be a new send's.
+    pub new: bool,
     /// Its answer goes to the copies that join it.
     pub leader: Option<Leader>,
     _budget: OwnedSemaphorePermit,
@@ -268,13 +271,10 @@ impl Gateway {
                 // does one behind a held send of its conversation (the
                 // connection promotes that conversation's held sends), and
                 // this send with them.
-                let promoted = match refusal {
-                    Refusal::AheadOfBacklog { .. } => true,
-                    Refusal::Appointment { .. } | Refusal::Shed { .. } => {
-                        behind_held && self.admission.draining()
-                    }
-                };
-                return self.hold(sender, cmd, key, refusal.retry_after(), promoted);
+                let new = matches!(refusal, Refusal::AheadOfBacklog { .. });
+                let promoted = new || behind_held && self.admission.draining();
+                let wait = refusal.retry_after();
+                return self.hold(sender, cmd, key, wait, promoted, new);
             }
             Err(refusal) => return Err(self.refused(refusal)),
         };
@@ -306,6 +306,7 @@ impl Gateway {
         key: resends::SendKey,
         wait: Duration,
         promoted: bool,
+        new: bool,
     ) -> Result<AdmittedSend, Error> {
         self.check_send_rate(sender)?;
         let bytes = held_bytes(cmd);
@@ -346,6 +347,7 @@ impl Gateway {
             ticket,
             wait,
             promoted,
+            new,
             leader,
             _budget: budget,
         }))
@@ -357,8 +359,8 @@ impl Gateway {
     }
 
     /// A held send's new place in the queue, ahead of the backlog.
-    pub(crate) fn hold_urgent(&self, sender: &Sender, id: &[u8]) -> Ticket {
-        self.admission.hold_urgent(sender.as_str(), id)
+    pub(crate) fn hold_urgent(&self, sender: &Sender, id: &[u8], new: bool) -> Ticket {
+        self.admission.hold_urgent(sender.as_str(), id, new)
     }
 
     /// The answer to a held send given up before a place came for it.

@@ -241,6 +241,10 @@ struct Waiter {
     /// Its appointment.
     due: Instant,
     place: oneshot::Sender<Pass>,
+    /// A new send held ahead of the backlog ([`Refusal::AheadOfBacklog`]):
+    /// its place is a new send's (see [`Pass`]), so the draining backlog
+    /// keeps to its share while it is in flight.
+    new: bool,
 }
 
 impl std::fmt::Debug for Waiter {
@@ -331,24 +335,33 @@ impl Admission {
     /// Hold the send of (`sender`, `id`), whose appointment is `wait`
     /// from now, until a place is given to it (see the module's comment).
     pub fn hold(self: &Arc<Self>, sender: &str, id: &[u8], wait: Duration) -> Ticket {
-        self.enqueue(sender, id, wait, false)
+        self.enqueue(sender, id, wait, false, false)
     }
 
     /// Hold the send of (`sender`, `id`) ahead of the backlog, up to twice
     /// the limit: while the backlog drains, for the held sends of a
     /// conversation that a new send waits behind, each once the send
     /// before it was answered (it gives up any ticket it held: that
-    /// waiter is dropped from the queue as it comes up).
-    pub fn hold_urgent(self: &Arc<Self>, sender: &str, id: &[u8]) -> Ticket {
-        self.enqueue(sender, id, Duration::ZERO, true)
+    /// waiter is dropped from the queue as it comes up); and for a `new`
+    /// send that found every place taken ([`Refusal::AheadOfBacklog`]).
+    pub fn hold_urgent(self: &Arc<Self>, sender: &str, id: &[u8], new: bool) -> Ticket {
+        self.enqueue(sender, id, Duration::ZERO, true, new)
     }
 
-    fn enqueue(self: &Arc<Self>, sender: &str, id: &[u8], wait: Duration, urgent: bool) -> Ticket {
+    fn enqueue(
+        self: &Arc<Self>,
+        sender: &str,
+        id: &[u8],
+        wait: Duration,
+        urgent: bool,
+        new: bool,
+    ) -> Ticket {
         let (tx, place) = oneshot::channel();
         let waiter = Waiter {
             key: self.key(sender, id),
             due: Instant::now() + wait,
             place: tx,
+            new,
         };
         self.lock().hold(waiter, urgent);
         self.dispatch();
@@ -375,7 +388,7 @@ impl Admission {
     /// Hand `waiter` the place taken for it. A held send whose connection
     /// closed just now gives the place back as it is dropped.
     fn give(self: &Arc<Self>, waiter: Waiter, now: Instant) {
-        let _ = waiter.place.send(self.pass(now, false));
+        let _ = waiter.place.send(self.pass(now, waiter.new));
     }
 
     /// How long after its appointment a held send is given up.
@@ -612,6 +625,9 @@ impl State {
         let waiter = queue.pop_front()?;
         self.book.remove(&waiter.key);
         self.in_flight += 1;
+        if waiter.new {
+            self.new_in_flight += 1;
+        }
         Some(waiter)
     }
 
@@ -813,6 +829,26 @@ mod tests {
         assert_eq!(admission.booked(), 0, "every appointment used or dropped");
     }
 
+    /// A new send held ahead of the backlog takes a new send's place: the
+    /// draining backlog keeps to its share while it is in flight (counted
+    /// as the backlog's, it let the backlog fill the limit and every new
+    /// send waited behind it at the shards). A held send of the backlog
+    /// moved ahead with its conversation stays the backlog's.
+    #[tokio::test]
+    async fn a_new_send_held_ahead_of_the_backlog_takes_a_new_sends_place() {
+        let admission = Admission::new(options(10));
+        let mut new = admission.hold_urgent("ana", b"new", true);
+        let mut old = admission.hold_urgent("ana", b"old", false);
+        let new = new.ready().expect("a free place");
+        let old = old.ready().expect("a free place");
+        assert_eq!(admission.lock().in_flight, 2);
+        assert_eq!(admission.lock().new_in_flight, 1);
+        drop(new);
+        assert_eq!(admission.lock().new_in_flight, 0);
+        drop(old);
+        assert_eq!(admission.lock().in_flight, 0);
+    }
+
     /// Each of `windows` quarter seconds, `answers` sends answered and
     /// `arrivals` new sends offered, the gateway kept at its limit of ten.
     fn traffic(
@@ -849,7 +885,15 @@ mod tests {
 
     fn held(state: &mut State, key: u64, due: Instant) -> oneshot::Receiver<Pass> {
         let (place, rx) = oneshot::channel();
-        state.hold(Waiter { key, due, place }, false);
+        state.hold(
+            Waiter {
+                key,
+                due,
+                place,
+                new: false,
+            },
+            false,
+        );
         rx
     }
 
@@ -917,6 +961,7 @@ mod tests {
                 key: 2_000,
                 due: now,
                 place,
+                new: false,
             },
             true,
         );
@@ -1017,6 +1062,7 @@ mod tests {
             key: 1,
             due: now - DRAIN_BEHIND - Duration::from_millis(1),
             place,
+            new: false,
         });
         assert_eq!(door.state.backlog_room(now), 100);
     }
@@ -1051,6 +1097,7 @@ mod tests {
                 key: 7,
                 due: now,
                 place: tx,
+                new: false,
             },
             false,
         );

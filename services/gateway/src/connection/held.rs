@@ -90,6 +90,7 @@ pub(super) async fn serve_held(
     let Held {
         mut ticket,
         mut promoted,
+        new,
         leader,
         ..
     } = hold;
@@ -109,7 +110,7 @@ pub(super) async fn serve_held(
             // place and wait for their turn in it, and sends waiting so,
             // once they hold every place, leave none for those before them.
             () = answered(&mut after), if promoted && !urgent => {
-                ticket = reply.gateway.hold_urgent(&sender, &cmd.id);
+                ticket = reply.gateway.hold_urgent(&sender, &cmd.id, new);
                 urgent = true;
             }
         }

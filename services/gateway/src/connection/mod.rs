@@ -565,7 +565,7 @@ mod tests {
             let key = gateway
                 .resends
                 .key(sender(i).as_str(), &cmd(i).id, &cmd(i).conversation, "hello");
-            gateway.hold(&sender(i), &cmd(i), key, Duration::from_secs(1), ahead)
+            gateway.hold(&sender(i), &cmd(i), key, Duration::from_secs(1), ahead, ahead)
         };
         let backlog: Vec<_> = (1..=63).map(|i| hold(i, false)).collect();
         assert!(backlog.iter().all(|held| matches!(held, Ok(AdmittedSend::Held(_)))));
@@ -601,6 +601,7 @@ mod tests {
             ticket: gateway.admission.hold("ana", id, wait),
             wait,
             promoted: false,
+            new: false,
             leader: None,
             _budget: Arc::clone(&gateway.held_bytes)
                 .try_acquire_many_owned(1)
