@@ -322,7 +322,11 @@ impl Gateway {
         };
         let room = self.held_bytes.available_permits() >= bytes as usize + reserve;
         let Some(budget) = room
-            .then(|| Arc::clone(&self.held_bytes).try_acquire_many_owned(bytes).ok())
+            .then(|| {
+                Arc::clone(&self.held_bytes)
+                    .try_acquire_many_owned(bytes)
+                    .ok()
+            })
             .flatten()
         else {
             // No room to hold it: the phone keeps the appointment. Counted

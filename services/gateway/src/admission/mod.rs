@@ -154,10 +154,11 @@ const PULL_FORWARD: f64 = 0.875;
 pub enum Refusal {
     /// Come back after `retry_after`: the send has an appointment then.
     Appointment { retry_after: Duration },
-    /// A new send while the backlog drains, and no place free: it has an
-    /// appointment one send's time from now, ahead of the backlog's (not
-    /// behind it, where it would wait for all of it). Held, it goes ahead
-    /// of the backlog ([`Admission::hold_urgent`]).
+    /// A new send while the backlog drains, and no place free, some taken
+    /// by phones back for their appointments: it has an appointment one
+    /// send's time from now, ahead of theirs (not behind them, where it
+    /// would wait for all of them). Held, it goes ahead of the backlog
+    /// ([`Admission::hold_urgent`]).
     AheadOfBacklog { retry_after: Duration },
     /// No appointment could be given (past the horizon, or too many
     /// booked): come back after `retry_after`, jittered.
@@ -261,10 +262,19 @@ impl std::fmt::Debug for Waiter {
 pub struct Pass {
     admission: Arc<Admission>,
     started: Instant,
-    /// Taken by a new send (not a held one, nor a phone back for its
-    /// appointment).
-    new: bool,
+    holder: Holder,
     completion: Option<Completion>,
+}
+
+/// Whose a place is, for what the draining backlog is allowed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Holder {
+    /// A new send (taken at once, or held ahead of the backlog).
+    New,
+    /// A phone back for its appointment.
+    Returning,
+    /// A held send of the backlog.
+    Backlog,
 }
 
 impl Pass {
@@ -278,7 +288,7 @@ impl Drop for Pass {
         Admission::release(
             &self.admission,
             self.started,
-            self.new,
+            self.holder,
             Instant::now(),
             self.completion,
         );
@@ -302,15 +312,15 @@ impl Admission {
         let mut rng = rand::rng();
         self.lock()
             .admit(key, now, &self.options, &mut rng)
-            .map(|new| self.pass(now, new))
+            .map(|holder| self.pass(now, holder))
     }
 
     /// The place just taken, for a send admitted at `started`.
-    fn pass(self: &Arc<Self>, started: Instant, new: bool) -> Pass {
+    fn pass(self: &Arc<Self>, started: Instant, holder: Holder) -> Pass {
         Pass {
             admission: Arc::clone(self),
             started,
-            new,
+            holder,
             completion: None,
         }
     }
@@ -388,7 +398,12 @@ impl Admission {
     /// Hand `waiter` the place taken for it. A held send whose connection
     /// closed just now gives the place back as it is dropped.
     fn give(self: &Arc<Self>, waiter: Waiter, now: Instant) {
-        let _ = waiter.place.send(self.pass(now, waiter.new));
+        let holder = if waiter.new {
+            Holder::New
+        } else {
+            Holder::Backlog
+        };
+        let _ = waiter.place.send(self.pass(now, holder));
     }
 
     /// How long after its appointment a held send is given up.
@@ -433,15 +448,19 @@ impl Admission {
     fn release(
         self: &Arc<Self>,
         started: Instant,
-        new: bool,
+        holder: Holder,
         now: Instant,
         completion: Option<Completion>,
     ) {
         let next = {
             let mut state = self.lock();
             state.in_flight = state.in_flight.saturating_sub(1);
-            if new {
-                state.new_in_flight = state.new_in_flight.saturating_sub(1);
+            match holder {
+                Holder::New => state.new_in_flight = state.new_in_flight.saturating_sub(1),
+                Holder::Returning => {
+                    state.returning_in_flight = state.returning_in_flight.saturating_sub(1);
+                }
+                Holder::Backlog => {}
             }
             if let Some(completion) = completion {
                 let in_flight = state.in_flight + 1;
@@ -465,6 +484,8 @@ struct State {
     in_flight: usize,
     /// Of those, new sends (see [`Pass`]).
     new_in_flight: usize,
+    /// Of those, phones back for their appointments.
+    returning_in_flight: usize,
     /// The backlog's share of the places while it drains.
     drain: DrainCap,
     /// What the gateway serves per second when it is full: the pace of
@@ -490,6 +511,7 @@ impl State {
             target: options.target,
             in_flight: 0,
             new_in_flight: 0,
+            returning_in_flight: 0,
             drain: DrainCap::new(options.initial as f64),
             pace: Pace::new(now),
             flow: Flow::new(now),
@@ -507,7 +529,7 @@ impl State {
         now: Instant,
         options: &AdmissionOptions,
         rng: &mut impl Rng,
-    ) -> Result<bool, Refusal> {
+    ) -> Result<Holder, Refusal> {
         let limit = self.aimd.limit();
         let appointment = self.book.get(&key).copied();
         if appointment.is_none() {
@@ -524,14 +546,16 @@ impl State {
             Some(_) | None => self.in_flight < limit,
         };
         if admitted {
-            let new = appointment.is_none();
-            if new {
+            let holder = if appointment.is_none() {
                 self.new_in_flight += 1;
+                Holder::New
             } else {
                 self.book.remove(&key);
-            }
+                self.returning_in_flight += 1;
+                Holder::Returning
+            };
             self.in_flight += 1;
-            return Ok(new);
+            return Ok(holder);
         }
         match appointment {
             // Early: the same appointment.
@@ -540,13 +564,18 @@ impl State {
                     retry_after: (slot - now).max(MIN_WAIT),
                 });
             }
-            // The surge is over and every place is taken (phones back for
-            // their appointments take them up to twice the limit too): a
-            // new send still goes before the backlog, at the next place.
-            // Booked behind the backlog, new messages waited for all of it
-            // (14-20 s after a 3x surge against the chart's budget for held
-            // sends, which leaves most of the backlog with the phones).
-            None if self.draining() && self.book.len() < MAX_BOOKED => {
+            // The surge is over and every place is taken, some by phones
+            // back for their appointments (they go in up to twice the
+            // limit too): a new send still goes before them, at the next
+            // place. Booked behind them, new messages waited for all of
+            // them (14-20 s after a 3x surge against the chart's budget for
+            // held sends, which leaves most of the backlog with the
+            // phones). Without such phones the places are new sends' and
+            // the backlog's own share, and a new send waits as a held one.
+            None if self.draining()
+                && self.returning_in_flight > 0
+                && self.book.len() < MAX_BOOKED =>
+            {
                 self.pace.refused(now);
                 let slot = now + self.pace.spacing();
                 self.book.insert(key, slot);
@@ -878,7 +907,7 @@ mod tests {
         Pass {
             admission: Admission::new(options(10)),
             started: now,
-            new: false,
+            holder: Holder::Backlog,
             completion: None,
         }
     }
@@ -935,22 +964,34 @@ mod tests {
             door.state.next_held(now, stale).is_none(),
             "no place above the limit"
         );
-        // Every place taken (phones back for their appointments take them
-        // up to twice the limit too): a new send is still not booked behind
-        // the backlog, but one send's time from now, ahead of it.
+        // Every place taken by new sends and the backlog's share: a new
+        // send waits as a held one.
         door.state.in_flight = 20;
+        wait(door.admit(key, now));
+        key += 1;
+        // Some taken by phones back for their appointments (they go in up
+        // to twice the limit too): a new send is not booked behind them,
+        // but one send's time from now, ahead of them.
+        door.state.returning_in_flight = 5;
         let last_slot = door.state.last_slot;
         let ahead = match door.admit(key, now) {
             Err(Refusal::AheadOfBacklog { retry_after }) => retry_after,
             other => panic!("expected a place ahead of the backlog, got {other:?}"),
         };
         assert!(ahead < behind / 10, "{ahead:?} against {behind:?}");
-        assert_eq!(door.state.last_slot, last_slot, "the backlog's appointments keep their times");
+        assert_eq!(
+            door.state.last_slot, last_slot,
+            "the backlog's appointments keep their times"
+        );
         // Back for it, the phone goes in as soon as a place is free, above
         // the limit, and it is not counted as a new arrival again.
         door.state.in_flight = 19;
-        assert!(door.admit(key, now + ahead).is_ok(), "in at its appointment");
+        assert!(
+            door.admit(key, now + ahead).is_ok(),
+            "in at its appointment"
+        );
         assert!(!door.state.book.contains_key(&key));
+        assert_eq!(door.state.returning_in_flight, 6);
         key += 1;
         door.state.in_flight = 11;
         // A conversation a new send waits in goes before the backlog, even

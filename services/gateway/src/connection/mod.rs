@@ -562,17 +562,34 @@ mod tests {
         let sender = |i: usize| Sender::parse(format!("u{i:02}")).expect("a sender");
         let _taken = gateway.admission.admit("x", b"0").expect("the one place");
         let hold = |i: usize, ahead: bool| {
-            let key = gateway
-                .resends
-                .key(sender(i).as_str(), &cmd(i).id, &cmd(i).conversation, "hello");
-            gateway.hold(&sender(i), &cmd(i), key, Duration::from_secs(1), ahead, ahead)
+            let key = gateway.resends.key(
+                sender(i).as_str(),
+                &cmd(i).id,
+                &cmd(i).conversation,
+                "hello",
+            );
+            gateway.hold(
+                &sender(i),
+                &cmd(i),
+                key,
+                Duration::from_secs(1),
+                ahead,
+                ahead,
+            )
         };
         let backlog: Vec<_> = (1..=63).map(|i| hold(i, false)).collect();
-        assert!(backlog.iter().all(|held| matches!(held, Ok(AdmittedSend::Held(_)))));
+        assert!(
+            backlog
+                .iter()
+                .all(|held| matches!(held, Ok(AdmittedSend::Held(_))))
+        );
         let refused = hold(64, false).err().expect("the rest is the reserve");
         assert_eq!(refused.kind(), imdedup_domain::ErrorKind::Overloaded);
         let ahead = hold(65, true);
-        assert!(matches!(ahead, Ok(AdmittedSend::Held(_))), "held in the reserve");
+        assert!(
+            matches!(ahead, Ok(AdmittedSend::Held(_))),
+            "held in the reserve"
+        );
         assert!(hold(66, true).is_err(), "the budget is spent");
         assert_eq!(gateway.metrics().limited_count("held_bytes"), 2);
     }
