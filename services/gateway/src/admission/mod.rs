@@ -242,10 +242,10 @@ struct Waiter {
     /// Its appointment.
     due: Instant,
     place: oneshot::Sender<Pass>,
-    /// A new send held ahead of the backlog ([`Refusal::AheadOfBacklog`]):
-    /// its place is a new send's (see [`Pass`]), so the draining backlog
-    /// keeps to its share while it is in flight.
-    new: bool,
+    /// Whose its place will be: a new send's when it was held ahead of the
+    /// backlog ([`Refusal::AheadOfBacklog`]), so the draining backlog keeps
+    /// to its share while it is in flight; the backlog's otherwise.
+    holder: Holder,
 }
 
 impl std::fmt::Debug for Waiter {
@@ -371,7 +371,7 @@ impl Admission {
             key: self.key(sender, id),
             due: Instant::now() + wait,
             place: tx,
-            new,
+            holder: if new { Holder::New } else { Holder::Backlog },
         };
         self.lock().hold(waiter, urgent);
         self.dispatch();
@@ -398,12 +398,7 @@ impl Admission {
     /// Hand `waiter` the place taken for it. A held send whose connection
     /// closed just now gives the place back as it is dropped.
     fn give(self: &Arc<Self>, waiter: Waiter, now: Instant) {
-        let holder = if waiter.new {
-            Holder::New
-        } else {
-            Holder::Backlog
-        };
-        let _ = waiter.place.send(self.pass(now, holder));
+        let _ = waiter.place.send(self.pass(now, waiter.holder));
     }
 
     /// How long after its appointment a held send is given up.
@@ -654,7 +649,7 @@ impl State {
         let waiter = queue.pop_front()?;
         self.book.remove(&waiter.key);
         self.in_flight += 1;
-        if waiter.new {
+        if waiter.holder == Holder::New {
             self.new_in_flight += 1;
         }
         Some(waiter)
@@ -902,6 +897,16 @@ mod tests {
         }
     }
 
+    /// A held send of the backlog.
+    fn waiter(key: u64, due: Instant, place: oneshot::Sender<Pass>) -> Waiter {
+        Waiter {
+            key,
+            due,
+            place,
+            holder: Holder::Backlog,
+        }
+    }
+
     /// A place, for handing to a waiter in a test of the state alone.
     fn pass(now: Instant) -> Pass {
         Pass {
@@ -914,15 +919,7 @@ mod tests {
 
     fn held(state: &mut State, key: u64, due: Instant) -> oneshot::Receiver<Pass> {
         let (place, rx) = oneshot::channel();
-        state.hold(
-            Waiter {
-                key,
-                due,
-                place,
-                new: false,
-            },
-            false,
-        );
+        state.hold(waiter(key, due, place), false);
         rx
     }
 
@@ -997,15 +994,7 @@ mod tests {
         // A conversation a new send waits in goes before the backlog, even
         // above the limit (the new send waits for it).
         let (place, mut urgent) = oneshot::channel();
-        door.state.hold(
-            Waiter {
-                key: 2_000,
-                due: now,
-                place,
-                new: false,
-            },
-            true,
-        );
+        door.state.hold(waiter(2_000, now, place), true);
         door.state.in_flight = 12;
         let first = door
             .state
@@ -1099,12 +1088,11 @@ mod tests {
         // A backlog more than DRAIN_BEHIND behind its appointments drains
         // with the whole limit: its phones wait already.
         let (place, _late) = oneshot::channel();
-        door.state.held.push_front(Waiter {
-            key: 1,
-            due: now - DRAIN_BEHIND - Duration::from_millis(1),
+        door.state.held.push_front(waiter(
+            1,
+            now - DRAIN_BEHIND - Duration::from_millis(1),
             place,
-            new: false,
-        });
+        ));
         assert_eq!(door.state.backlog_room(now), 100);
     }
 
@@ -1133,15 +1121,7 @@ mod tests {
         let mut state = State::new(options(1), now);
         state.in_flight = 2;
         let (tx, mut rx) = oneshot::channel();
-        state.hold(
-            Waiter {
-                key: 7,
-                due: now,
-                place: tx,
-                new: false,
-            },
-            false,
-        );
+        state.hold(waiter(7, now, tx), false);
         // Twice the limit in flight: not even at its appointment.
         assert!(state.next_held(now, Duration::from_secs(30)).is_none());
         let later = now + Duration::from_secs(31);

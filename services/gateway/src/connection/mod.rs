@@ -469,7 +469,6 @@ mod tests {
             body: "hello".to_owned(),
             queue,
         };
-        let sender = |i: usize| Sender::parse(format!("u{i}")).expect("a sender");
         let mut kept = Vec::new();
         // The one place, then appointments 0.1 s apart (the slowest pace,
         // as nothing was served yet): 200 reach the horizon.
@@ -495,18 +494,26 @@ mod tests {
         );
     }
 
+    /// Send `i` of user `i`, asking to be queued; every one the same size.
+    fn cmd(i: usize) -> SendCmd {
+        SendCmd {
+            id: format!("m-{i:02}").into_bytes(),
+            id_b64: false,
+            conversation: format!("dm:u{i:02}:bo"),
+            body: "hello".to_owned(),
+            queue: true,
+        }
+    }
+
+    fn sender(i: usize) -> Sender {
+        Sender::parse(format!("u{i:02}")).expect("a sender")
+    }
+
     /// Past the budget for held sends, a phone that asked to be queued is
     /// refused with its appointment, and the refusal is counted under its
     /// own reason: the budget is memory, and an operator must see it bind.
     #[tokio::test]
     async fn past_the_budget_for_held_sends_a_queued_send_is_refused_and_counted_apart() {
-        let cmd = |i: usize| SendCmd {
-            id: format!("m-{i}").into_bytes(),
-            id_b64: false,
-            conversation: format!("dm:u{i}:bo"),
-            body: "hello".to_owned(),
-            queue: true,
-        };
         let gateway = gateway(crate::limits::Limits {
             max_sends_in_flight: 1,
             // Room for two held sends, not three.
@@ -545,13 +552,6 @@ mod tests {
     /// does not make them wait behind it.
     #[tokio::test]
     async fn a_send_going_ahead_of_the_backlog_may_take_the_budgets_reserve() {
-        let cmd = |i: usize| SendCmd {
-            id: format!("m-{i:02}").into_bytes(),
-            id_b64: false,
-            conversation: format!("dm:u{i:02}:bo"),
-            body: "hello".to_owned(),
-            queue: true,
-        };
         let one = crate::held_bytes(&cmd(1)) as usize;
         let gateway = gateway(crate::limits::Limits {
             max_sends_in_flight: 1,
@@ -559,7 +559,6 @@ mod tests {
             max_held_bytes: 64 * one,
             ..crate::limits::Limits::default()
         });
-        let sender = |i: usize| Sender::parse(format!("u{i:02}")).expect("a sender");
         let _taken = gateway.admission.admit("x", b"0").expect("the one place");
         let hold = |i: usize, ahead: bool| {
             let key = gateway.resends.key(
