@@ -10,12 +10,16 @@
 #
 #   bench/overload-wiring.sh [--worker-threads 1] [--commit-delay 3ms]
 #                            [--scylla HOST:PORT --redis URL] [--keep]
-#                            [-- DRIVER FLAGS]
+#                            [--pin] [-- DRIVER FLAGS]
 #
 # DRIVER FLAGS default to `--group-share 0 --no-followers` (the driver then
 # searches the capacity first); e.g. `-- --group-share 0 --no-followers
 # --capacity 6061 --surge 20s`. IMDEDUP_OVERLOAD_NO_BUILD=1 skips the cargo
-# build. About 3 minutes with --capacity, longer with the search.
+# build. About 3 minutes with --capacity, longer with the search. --pin puts
+# the four services on the first CPU and the driver on the second: the
+# driver's CPU grows with what it offers (about three times at 3x), and
+# unpinned it is taken from the services, so C and the surges measure the
+# box rather than the services.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 

@@ -47,6 +47,10 @@ def main() -> int:
                         help="run on the real backends: this ScyllaDB/Cassandra (host:port), a "
                              "keyspace of the run's own")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--pin", action="store_true",
+                        help="the services on the first CPU and the driver on the second, so the "
+                             "driver's CPU, which grows with the load it offers, is not taken from "
+                             "the services (needs two CPUs)")
     parser.add_argument("driver", nargs=argparse.REMAINDER,
                         help="after --: more flags for `imdedup-load overload` (default: "
                              "--group-share 0 --no-followers)")
@@ -59,6 +63,13 @@ def main() -> int:
     for key in [k for k in os.environ if k.startswith(("IMDEDUP_", "OTEL_"))]:
         del os.environ[key]
 
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.pin and len(cpus) < 2:
+        parser.error("--pin needs two CPUs")
+    driver_cpus = set(cpus[1:2]) if args.pin else set(cpus)
+    if args.pin:
+        # The services inherit this process's CPU; the driver gets its own.
+        os.sched_setaffinity(0, {cpus[0]})
     work = Path(tempfile.mkdtemp(prefix="imdedup-overload-wiring-"))
     procs = Processes(work)
     try:
@@ -67,7 +78,8 @@ def main() -> int:
         argv = [args.load, "overload", "--url", cluster.url(), "--groups-file",
                 str(cluster.groups), *cluster.admin_flags(), *driver_flags]
         log(f"cluster up; logs in {work}; {' '.join(argv[1:])}")
-        code = subprocess.call(argv, env={**os.environ, "IMDEDUP_TOKEN_SECRET": TOKEN_SECRET})
+        code = subprocess.call(argv, env={**os.environ, "IMDEDUP_TOKEN_SECRET": TOKEN_SECRET},
+                               preexec_fn=lambda: os.sched_setaffinity(0, driver_cpus))
     except HarnessError as e:
         log(f"FAILED: {e}")
         return 1
