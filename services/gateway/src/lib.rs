@@ -119,7 +119,7 @@ pub struct Gateway {
     admission: Arc<Admission>,
     /// Sends in flight that a resend can join.
     resends: Arc<InFlightSends>,
-    /// Sends admitted, to sample the admission gauges now and then.
+    /// Sends admitted or held, to sample the admission gauges now and then.
     admitted: AtomicU64,
     /// Sends refused by the admission, to sample the shards' windows now
     /// and then while nothing is admitted.
@@ -279,14 +279,7 @@ impl Gateway {
             Err(refusal) => return Err(self.refused(refusal)),
         };
         self.check_send_rate(sender)?;
-        if self
-            .admitted
-            .fetch_add(1, Ordering::Relaxed)
-            .is_multiple_of(256)
-        {
-            self.sample_admission();
-            self.metrics.set_shard_windows(self.shards.windows());
-        }
+        self.sample_now_and_then();
         match self.resends.lead(key) {
             Ok(leader) => Ok(AdmittedSend::Lead { pass, leader }),
             Err(follower) => {
@@ -341,6 +334,7 @@ impl Gateway {
             }
         };
         let mut ticket = self.admission.hold(sender.as_str(), &cmd.id, wait);
+        self.sample_now_and_then();
         if let Some(pass) = ticket.ready() {
             // A place was free for it (the gateway is far from its limit):
             // no need to hold it.
@@ -386,6 +380,20 @@ impl Gateway {
     }
 
     /// The admission's gauges and the budget for held sends in use.
+    /// Every 256th send admitted or held, the admission's gauges and the
+    /// shards' windows. (Sampled only for sends admitted, the gauges stood
+    /// still for seconds of a surge in which most sends were held.)
+    fn sample_now_and_then(&self) {
+        if self
+            .admitted
+            .fetch_add(1, Ordering::Relaxed)
+            .is_multiple_of(256)
+        {
+            self.sample_admission();
+            self.metrics.set_shard_windows(self.shards.windows());
+        }
+    }
+
     fn sample_admission(&self) {
         self.metrics.set_admission(self.admission.gauges());
         let budget = held_budget(&self.config.limits);

@@ -217,6 +217,12 @@ impl GatewayMetrics {
         self.limited.get_or_create(&ReasonLabels { reason }).get()
     }
 
+    /// The bytes of held sends the gauge shows.
+    #[cfg(test)]
+    pub fn held_bytes_shown(&self) -> i64 {
+        self.held_bytes.get()
+    }
+
     /// One more open connection, until the guard is dropped.
     pub fn connection_opened(&self) -> GaugeGuard {
         GaugeGuard::up(&self.connections)

@@ -547,6 +547,34 @@ mod tests {
         assert!(matches!(admitted, Ok(AdmittedSend::Held(_))), "room again");
     }
 
+    /// The gauges follow a surge in which every send is held (none
+    /// admitted, none refused): sampled every 256th send held too.
+    #[tokio::test]
+    async fn the_held_sends_gauge_moves_while_every_send_is_held() {
+        let gateway = gateway(crate::limits::Limits {
+            max_sends_in_flight: 1,
+            ..crate::limits::Limits::default()
+        });
+        let _taken = gateway.admission.admit("x", b"0").expect("the one place");
+        let kept: Vec<_> = (1..=257)
+            .map(|i| {
+                let admitted = gateway.admit_send(&sender(i), &cmd(i), false);
+                assert!(
+                    matches!(admitted, Ok(AdmittedSend::Held(_))),
+                    "send {i} is held"
+                );
+                admitted
+            })
+            .collect();
+        assert_eq!(
+            gateway.metrics().held_bytes_shown(),
+            (1..=257)
+                .map(|i| i64::from(crate::held_bytes(&cmd(i))))
+                .sum::<i64>()
+        );
+        drop(kept);
+    }
+
     /// The budget's last sixty-fourth is for sends going ahead of the
     /// backlog (new sends while it drains): a backlog that fills the rest
     /// does not make them wait behind it.
