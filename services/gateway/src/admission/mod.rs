@@ -52,9 +52,10 @@
 //! that are in flight, nothing is held). A held send still there long
 //! after its appointment ([`STALE_AFTER`] the horizon) is given up.
 //!
-//! **New sends first once the surge is over.** While new sends arrive
+//! **New sends first once the surge is over.** Once new sends arrive
 //! slower than the gateway answers ([`rates::DRAIN_SHARE`], smoothed over quarter
-//! seconds), the backlog is draining: a new send then goes in up to twice
+//! seconds), and until they arrive as fast again ([`rates::SURGE_SHARE`]), the
+//! backlog is draining: a new send then goes in up to twice
 //! the limit, and held sends take places only below the limit. New
 //! messages flow at their usual latency while the backlog drains with what
 //! they leave; in order of arrival they would wait behind all of it.

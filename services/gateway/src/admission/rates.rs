@@ -91,6 +91,10 @@ pub(super) struct Flow {
     answered: u32,
     arrivals: f64,
     answers: f64,
+    /// The surge is over: set when new sends arrive at less than
+    /// [`DRAIN_SHARE`] of the sends answered, cleared only when they arrive
+    /// at [`SURGE_SHARE`] or more.
+    draining: bool,
 }
 
 /// Weight of a window's counts in the smoothed rates.
@@ -98,6 +102,13 @@ const FLOW_WEIGHT: f64 = 0.5;
 /// New sends arriving at less than this share of the sends answered: the
 /// surge is over, new sends go before the backlog.
 pub(super) const DRAIN_SHARE: f64 = 0.6;
+/// New sends arriving at this share of the sends answered or more: a surge
+/// again (the backlog no longer shrinks), the queue back in order of
+/// arrival. Between the two shares nothing changes: the smoothed rates move
+/// by a fifth from one quarter second to the next, and a send booked behind
+/// the backlog in a quarter second that looked like a surge waited for all
+/// of it (a whole second of new messages 13.7 s, in the middle of a drain).
+pub(super) const SURGE_SHARE: f64 = 1.0;
 
 impl Flow {
     pub(super) fn new(now: Instant) -> Self {
@@ -107,6 +118,7 @@ impl Flow {
             answered: 0,
             arrivals: 0.0,
             answers: 0.0,
+            draining: false,
         }
     }
 
@@ -131,11 +143,17 @@ impl Flow {
         self.arrivals += FLOW_WEIGHT * (arrivals - self.arrivals);
         self.answers += FLOW_WEIGHT * (answers - self.answers);
         self.window_start = now;
+        if self.draining {
+            self.draining = self.arrivals < SURGE_SHARE * self.answers;
+        } else {
+            self.draining = self.arrivals < DRAIN_SHARE * self.answers;
+        }
     }
 
-    /// Fewer new sends arrive than [`DRAIN_SHARE`] of those answered.
+    /// New sends arrived at less than [`DRAIN_SHARE`] of those answered,
+    /// and not at [`SURGE_SHARE`] or more since.
     pub(super) fn draining(&self) -> bool {
-        self.arrivals < DRAIN_SHARE * self.answers
+        self.draining
     }
 }
 
@@ -208,5 +226,52 @@ mod tests {
         // A long outage spreads the phones out.
         stall(&mut pace, &mut now, 30);
         assert_eq!(pace.spacing(), Duration::from_secs_f64(1.0 / PACE_MIN));
+    }
+
+    /// One quarter second of `arrived` new sends and `answered` answers,
+    /// spread over it.
+    fn flow_window(flow: &mut Flow, now: &mut Instant, arrived: u32, answered: u32) {
+        let events = arrived + answered;
+        let step = PACE_WINDOW / events;
+        for n in 0..events {
+            *now += step;
+            if n < arrived {
+                flow.arrived(*now);
+            } else {
+                flow.answered(*now);
+            }
+        }
+    }
+
+    #[test]
+    fn a_drain_is_not_undone_by_a_dip_only_by_a_surge() {
+        let mut now = Instant::now();
+        let mut flow = Flow::new(now);
+        // A surge: three times as many new sends as answers.
+        for _ in 0..8 {
+            flow_window(&mut flow, &mut now, 3_000, 1_000);
+        }
+        assert!(!flow.draining());
+        // Between the shares, no drain begins.
+        for _ in 0..8 {
+            flow_window(&mut flow, &mut now, 800, 1_000);
+        }
+        assert!(!flow.draining());
+        // The surge is over: half as many new sends as answers.
+        for _ in 0..8 {
+            flow_window(&mut flow, &mut now, 500, 1_000);
+        }
+        assert!(flow.draining());
+        // The answers dip for a second (the same new sends at 0.8 of
+        // them): still draining, new sends keep going first.
+        for _ in 0..4 {
+            flow_window(&mut flow, &mut now, 500, 625);
+        }
+        assert!(flow.draining());
+        // More new sends than answers: a surge again.
+        for _ in 0..4 {
+            flow_window(&mut flow, &mut now, 1_500, 1_000);
+        }
+        assert!(!flow.draining());
     }
 }
