@@ -423,6 +423,7 @@ mod tests {
     use tokio::sync::Notify;
 
     use super::*;
+    use crate::Pass;
 
     /// A gateway whose backends are never reached.
     fn gateway(limits: crate::limits::Limits) -> Arc<Gateway> {
@@ -450,6 +451,18 @@ mod tests {
             })
             .expect("a gateway that connects lazily"),
         )
+    }
+
+    /// A gateway with one place for a send in flight, taken (kept while
+    /// the returned place lives): every send admitted next is held or
+    /// refused.
+    fn full_gateway(limits: crate::limits::Limits) -> (Arc<Gateway>, Pass) {
+        let gateway = gateway(crate::limits::Limits {
+            max_sends_in_flight: 1,
+            ..limits
+        });
+        let taken = gateway.admission.admit("x", b"0").expect("the one place");
+        (gateway, taken)
     }
 
     /// Appointments reach 20 s ahead at most. A phone refused past that
@@ -514,14 +527,12 @@ mod tests {
     /// own reason: the budget is memory, and an operator must see it bind.
     #[tokio::test]
     async fn past_the_budget_for_held_sends_a_queued_send_is_refused_and_counted_apart() {
-        let gateway = gateway(crate::limits::Limits {
-            max_sends_in_flight: 1,
+        let (gateway, _taken) = full_gateway(crate::limits::Limits {
             // Room for two held sends, not three.
             max_held_bytes: 2 * crate::held_bytes(&cmd(1)) as usize + 100,
             ..crate::limits::Limits::default()
         });
         let sender = |i: usize| Sender::parse(format!("u{i}")).expect("a sender");
-        let _taken = gateway.admission.admit("x", b"0").expect("the one place");
         let mut kept = Vec::new();
         for i in 1..=2 {
             let admitted = gateway.admit_send(&sender(i), &cmd(i), false);
@@ -551,11 +562,7 @@ mod tests {
     /// admitted, none refused): sampled every 256th send held too.
     #[tokio::test]
     async fn the_held_sends_gauge_moves_while_every_send_is_held() {
-        let gateway = gateway(crate::limits::Limits {
-            max_sends_in_flight: 1,
-            ..crate::limits::Limits::default()
-        });
-        let _taken = gateway.admission.admit("x", b"0").expect("the one place");
+        let (gateway, _taken) = full_gateway(crate::limits::Limits::default());
         let kept: Vec<_> = (1..=257)
             .map(|i| {
                 let admitted = gateway.admit_send(&sender(i), &cmd(i), false);
@@ -581,13 +588,11 @@ mod tests {
     #[tokio::test]
     async fn a_send_going_ahead_of_the_backlog_may_take_the_budgets_reserve() {
         let one = crate::held_bytes(&cmd(1)) as usize;
-        let gateway = gateway(crate::limits::Limits {
-            max_sends_in_flight: 1,
+        let (gateway, _taken) = full_gateway(crate::limits::Limits {
             // The reserve is one send.
             max_held_bytes: 64 * one,
             ..crate::limits::Limits::default()
         });
-        let _taken = gateway.admission.admit("x", b"0").expect("the one place");
         let hold = |i: usize, ahead: bool| {
             let key = gateway.resends.key(
                 sender(i).as_str(),
@@ -682,11 +687,7 @@ mod tests {
     /// for the sends they wait for.
     #[tokio::test]
     async fn a_promoted_held_send_takes_a_place_only_after_the_send_before_it() {
-        let gateway = gateway(crate::limits::Limits {
-            max_sends_in_flight: 1,
-            ..crate::limits::Limits::default()
-        });
-        let taken = gateway.admission.admit("x", b"0").expect("the place");
+        let (gateway, taken) = full_gateway(crate::limits::Limits::default());
         let (reply, mut replies, cmd, held) = held_send(&gateway, b"m-2", Duration::from_secs(30));
         let mut order = SendOrder::default();
         let before = order.next(&cmd.conversation);
@@ -750,13 +751,11 @@ mod tests {
     #[tokio::test]
     async fn a_held_send_keeps_no_more_memory_than_the_budget_charges_it() {
         const SENDS: usize = 100_000;
-        let gateway = gateway(crate::limits::Limits {
-            max_sends_in_flight: 1,
+        let (gateway, _taken) = full_gateway(crate::limits::Limits {
             user_sends_per_second: std::num::NonZeroU32::new(1_000_000).expect("non-zero"),
             user_send_burst: std::num::NonZeroU32::new(1_000_000).expect("non-zero"),
             ..crate::limits::Limits::default()
         });
-        let _taken = gateway.admission.admit("x", b"0").expect("the one place");
         let (out, _replies) = mpsc::channel(4);
         let closing = CancellationToken::new();
         let mut order = SendOrder::default();
