@@ -26,11 +26,8 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-if [ "${IMDEDUP_CPU_NO_BUILD:-}" != 1 ]; then
-  cargo build --release --locked -q -p imdedup -p imdedup-loadtest
-fi
-target_dir=$(cargo metadata --format-version 1 --no-deps 2>/dev/null \
-  | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])' 2>/dev/null || echo target)
+# shellcheck source=bench/release-bins.sh
+. bench/release-bins.sh IMDEDUP_CPU_NO_BUILD
 
 if ! command -v nats-server >/dev/null; then
   echo "cpu-per-message: installing nats-server (apt-get)" >&2
