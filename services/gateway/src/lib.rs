@@ -120,7 +120,7 @@ pub struct Gateway {
     /// Sends in flight that a resend can join.
     resends: Arc<InFlightSends>,
     /// Sends admitted or held, to sample the admission gauges now and then.
-    admitted: AtomicU64,
+    sampled: AtomicU64,
     /// Sends refused by the admission, to sample the shards' windows now
     /// and then while nothing is admitted.
     refusals: AtomicU64,
@@ -212,7 +212,7 @@ impl Gateway {
                 ..AdmissionOptions::with_max(config.limits.max_sends_in_flight)
             }),
             resends: InFlightSends::new(),
-            admitted: AtomicU64::new(0),
+            sampled: AtomicU64::new(0),
             refusals: AtomicU64::new(0),
             held_bytes: Arc::new(Semaphore::new(held_budget(&config.limits))),
             metrics: GatewayMetrics::default(),
@@ -385,7 +385,7 @@ impl Gateway {
     /// still for seconds of a surge in which most sends were held.)
     fn sample_now_and_then(&self) {
         if self
-            .admitted
+            .sampled
             .fetch_add(1, Ordering::Relaxed)
             .is_multiple_of(256)
         {
