@@ -53,9 +53,10 @@ impl Link {
     pub async fn client(&self) -> Result<(u64, Arc<Client>), ClientError> {
         let mut current = self.current.lock().await;
         if current.1.is_closed() {
-            let client = self
-                .manners
-                .apply(Client::connect(&self.url, &self.token, self.encoding).await?);
+            // Boxed: this future is part of every message's task, and the
+            // dial's state (a few KB) would be in each of them.
+            let dial = Box::pin(Client::connect(&self.url, &self.token, self.encoding));
+            let client = self.manners.apply(dial.await?);
             *current = (current.0 + 1, Arc::new(client));
         }
         Ok((current.0, Arc::clone(&current.1)))

@@ -771,11 +771,14 @@ impl SendTask {
         let (phone, other) = &self.phones[message.sender];
         let copy = async {
             match (message.concurrent_copy, other) {
-                (true, Some(other)) => other
-                    .send(message.id.as_bytes(), &message.conversation, &self.body)
-                    .await
-                    .ok()
-                    .and_then(Result::ok),
+                // Boxed: most messages have no copy, and every message's
+                // task would carry room for its send.
+                (true, Some(other)) => {
+                    Box::pin(other.send(message.id.as_bytes(), &message.conversation, &self.body))
+                        .await
+                        .ok()
+                        .and_then(Result::ok)
+                }
                 _ => None,
             }
         };
