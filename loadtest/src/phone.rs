@@ -175,7 +175,14 @@ pub async fn deliver(
         // A connection the gateway closed is dialled again.
         let sent = match link.client().await {
             Ok((connection, client)) => client
-                .send_numbered(message.id, message.conversation, message.body)
+                .send_numbered_since(
+                    message.id,
+                    message.conversation,
+                    message.body,
+                    // The message was written when it was due, however
+                    // late the driver got to it.
+                    due.into_std(),
+                )
                 .await
                 .map(|(frame, reply)| (connection, frame, reply)),
             Err(e) => Err(e),

@@ -37,6 +37,15 @@ pub struct SendJson {
     /// may hold this send and answer it later instead of refusing it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub queue: bool,
+    /// Milliseconds since the phone wrote this message (put it in the
+    /// outbox): a scheduling hint after a surge.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub age_ms: u64,
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's skip_serializing_if passes a reference
+fn is_zero(value: &u64) -> bool {
+    *value == 0
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -179,6 +188,7 @@ mod tests {
                 conversation: "c".into(),
                 body: "hi".into(),
                 queue: false,
+                age_ms: 0,
             })
         );
         let queued: ClientJson = serde_json::from_str(
@@ -189,6 +199,21 @@ mod tests {
             queued,
             ClientJson::Send(SendJson { queue: true, .. })
         ));
+        let aged: ClientJson = serde_json::from_str(
+            r#"{"type":"send","id":"m1","conversation":"c","body":"hi","age_ms":2500}"#,
+        )
+        .unwrap();
+        assert!(matches!(
+            aged,
+            ClientJson::Send(SendJson { age_ms: 2500, .. })
+        ));
+        assert!(
+            serde_json::from_str::<ClientJson>(
+                r#"{"type":"send","id":"m1","conversation":"c","body":"hi","age_ms":-1}"#
+            )
+            .is_err(),
+            "a negative age is a malformed frame"
+        );
         let queued = ServerJson::Queued(QueuedJson {
             id: Some("m1".into()),
             id_b64: None,

@@ -15,6 +15,7 @@ use std::{
         Arc, Mutex,
         atomic::{AtomicU64, Ordering},
     },
+    time::{Duration, Instant},
 };
 
 use futures_util::{SinkExt, StreamExt};
@@ -49,7 +50,7 @@ pub enum ClientError {
     #[error("the connection is closed")]
     Closed,
     #[error("no reply within {0:?}")]
-    Timeout(std::time::Duration),
+    Timeout(Duration),
 }
 
 /// The code of the error a send gets when this client held it back
@@ -57,12 +58,12 @@ pub enum ClientError {
 pub const HELD_BACK: &str = "held_back";
 
 /// How long [`Client::send`] and [`Client::history`] wait for a reply.
-pub const DEFAULT_REPLY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+pub const DEFAULT_REPLY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Held-back IDs kept before those not tried for [`HELD_IDS_KEPT`] are
 /// forgotten (then again at twice what is left).
 const HELD_IDS_PRUNE_AT: usize = 4096;
-const HELD_IDS_KEPT: std::time::Duration = std::time::Duration::from_secs(60);
+const HELD_IDS_KEPT: Duration = Duration::from_secs(60);
 
 /// An ACK as the phone sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -89,7 +90,7 @@ pub struct ErrorReply {
     pub original: Option<(u64, u64)>,
     /// `overloaded`, `unavailable`: the server asks to wait this long
     /// before resending.
-    pub retry_after: Option<std::time::Duration>,
+    pub retry_after: Option<Duration>,
 }
 
 /// One stored message in a history page.
@@ -120,7 +121,7 @@ pub enum Reply {
     /// ([`Client::queued_answers`]) and keeps waiting for the answer.
     Queued {
         id: Vec<u8>,
-        retry_after: std::time::Duration,
+        retry_after: Duration,
     },
 }
 
@@ -147,7 +148,7 @@ struct Pending {
     held_back: u64,
     /// The IDs of sends held back and not written since, with when they
     /// were last held back: a try of one of them is not a new request.
-    held_ids: HashMap<Vec<u8>, std::time::Instant>,
+    held_ids: HashMap<Vec<u8>, Instant>,
     /// Size of `held_ids` at which the stale are forgotten next.
     held_ids_prune_at: usize,
 }
@@ -168,7 +169,7 @@ pub struct Client {
     unmatched: tokio::sync::Mutex<mpsc::UnboundedReceiver<Reply>>,
     closed: watch::Receiver<Option<Closed>>,
     next_ref: AtomicU64,
-    reply_timeout: std::time::Duration,
+    reply_timeout: Duration,
     /// Send frames ask the gateway to hold them when it is full.
     queue: bool,
     /// Send frames written so far; taken together with the frame's place
@@ -276,7 +277,7 @@ impl Client {
     }
 
     /// Wait at most `timeout` for each reply.
-    pub fn with_reply_timeout(mut self, timeout: std::time::Duration) -> Self {
+    pub fn with_reply_timeout(mut self, timeout: Duration) -> Self {
         self.reply_timeout = timeout;
         self
     }
@@ -301,7 +302,7 @@ impl Client {
     /// retryable error [`HELD_BACK`] and a `retry_after` about as long as
     /// the gateway's last `overloaded` answer asked for.
     pub fn with_throttle(self, k: f64) -> Self {
-        self.lock().throttle = (k > 0.0).then(|| Throttle::new(k, std::time::Instant::now()));
+        self.lock().throttle = (k > 0.0).then(|| Throttle::new(k, Instant::now()));
         self
     }
 
@@ -324,7 +325,9 @@ impl Client {
         conversation: &str,
         body: &str,
     ) -> Result<Result<AckReply, ErrorReply>, ClientError> {
-        let (_, reply) = self.enqueue_send(id, conversation, body).await?;
+        let (_, reply) = self
+            .enqueue_send(id, conversation, body, Duration::ZERO)
+            .await?;
         self.send_reply(reply).await
     }
 
@@ -337,7 +340,24 @@ impl Client {
         conversation: &str,
         body: &str,
     ) -> Result<(u64, Result<AckReply, ErrorReply>), ClientError> {
-        let (number, reply) = self.enqueue_send(id, conversation, body).await?;
+        self.send_numbered_since(id, conversation, body, Instant::now())
+            .await
+    }
+
+    /// [`Client::send_numbered`] for a message written (put in the outbox)
+    /// at `written`: the frame says how long the phone has had it
+    /// (`age_ms`), so that after a surge the gateway serves the messages
+    /// written since before the old ones it has not seen yet.
+    pub async fn send_numbered_since(
+        &self,
+        id: &[u8],
+        conversation: &str,
+        body: &str,
+        written: Instant,
+    ) -> Result<(u64, Result<AckReply, ErrorReply>), ClientError> {
+        let (number, reply) = self
+            .enqueue_send(id, conversation, body, written.elapsed())
+            .await?;
         Ok((number, self.send_reply(reply).await?))
     }
 
@@ -350,7 +370,11 @@ impl Client {
     ) -> Result<Vec<Result<AckReply, ErrorReply>>, ClientError> {
         let mut waiting = Vec::with_capacity(sends.len());
         for (id, conversation, body) in sends {
-            waiting.push(self.enqueue_send(id, conversation, body).await?.1);
+            waiting.push(
+                self.enqueue_send(id, conversation, body, Duration::ZERO)
+                    .await?
+                    .1,
+            );
         }
         let mut replies = Vec::with_capacity(waiting.len());
         for reply in waiting {
@@ -367,7 +391,9 @@ impl Client {
         id: &[u8],
         conversation: &str,
         body: &str,
+        age: Duration,
     ) -> Result<(u64, Answer), ClientError> {
+        let age_ms = u64::try_from(age.as_millis()).unwrap_or(u64::MAX);
         if let Some(held) = self.hold_back(id) {
             return Ok((0, Answer::Now(held)));
         }
@@ -380,6 +406,7 @@ impl Client {
                     conversation: conversation.to_owned(),
                     body: body.to_owned(),
                     queue: self.queue,
+                    age_ms,
                 }))
             }
             Encoding::Protobuf => protobuf_message(client_frame::Kind::Send(pb::SendFrame {
@@ -387,6 +414,7 @@ impl Client {
                 conversation: conversation.to_owned(),
                 body: body.to_owned(),
                 queue: self.queue,
+                age_ms,
             })),
         };
         let (tx, rx) = oneshot::channel();
@@ -412,7 +440,7 @@ impl Client {
         let mut pending = self.lock();
         let pending = &mut *pending;
         let throttle = pending.throttle.as_mut()?;
-        let now = std::time::Instant::now();
+        let now = Instant::now();
         let again = pending.held_ids.contains_key(id);
         if !throttle.hold_back(now, rand::random(), again) {
             if again {
@@ -580,7 +608,7 @@ fn dispatch(pending: &Mutex<Pending>, reply: Reply) -> Option<Reply> {
             ..
         }) if code == "overloaded" => {
             if let Some(throttle) = pending.throttle.as_mut() {
-                throttle.refused(std::time::Instant::now(), *retry_after);
+                throttle.refused(Instant::now(), *retry_after);
             }
             pending.sends.get_mut(id).and_then(VecDeque::pop_front)
         }
@@ -648,11 +676,11 @@ fn parse_json(bytes: &[u8]) -> Option<Reply> {
             message: e.message,
             retry_after: e
                 .retry_after_ms
-                .map(|ms| std::time::Duration::from_millis(u64::from(ms))),
+                .map(|ms| Duration::from_millis(u64::from(ms))),
         }),
         ServerJson::Queued(q) => Reply::Queued {
             id: id_bytes(q.id, q.id_b64)?,
-            retry_after: std::time::Duration::from_millis(u64::from(q.retry_after_ms)),
+            retry_after: Duration::from_millis(u64::from(q.retry_after_ms)),
         },
         ServerJson::History(h) => Reply::History(HistoryPage {
             reference: h.reference,
@@ -718,11 +746,11 @@ fn parse_protobuf(bytes: &[u8]) -> Option<Reply> {
             retryable: e.retryable,
             message: e.message,
             retry_after: (e.retry_after_ms > 0)
-                .then(|| std::time::Duration::from_millis(u64::from(e.retry_after_ms))),
+                .then(|| Duration::from_millis(u64::from(e.retry_after_ms))),
         }),
         server_frame::Kind::Queued(q) => Reply::Queued {
             id: q.client_msg_id,
-            retry_after: std::time::Duration::from_millis(u64::from(q.retry_after_ms)),
+            retry_after: Duration::from_millis(u64::from(q.retry_after_ms)),
         },
         server_frame::Kind::History(h) => Reply::History(HistoryPage {
             reference: (!h.r#ref.is_empty()).then_some(h.r#ref),
@@ -758,7 +786,7 @@ mod tests {
             let mut socket = tokio_tungstenite::accept_async(tcp).await.unwrap();
             let _ = socket.close(None).await;
             // keep the TCP connection open, as a gateway still draining does
-            tokio::time::sleep(std::time::Duration::from_secs(30)).await;
+            tokio::time::sleep(Duration::from_secs(30)).await;
         });
         format!("ws://{addr}/v1/ws")
     }
@@ -769,15 +797,15 @@ mod tests {
         let client = Client::connect(&url, "token", Encoding::Json)
             .await
             .unwrap()
-            .with_reply_timeout(std::time::Duration::from_secs(20));
+            .with_reply_timeout(Duration::from_secs(20));
         client.closed().await;
         // Before the fix this send waited out the whole reply timeout: its
         // waiter was added after the reader had woken every waiter.
-        let started = std::time::Instant::now();
+        let started = Instant::now();
         let sent = client.send(b"m1", "dm:a:b", "hi").await;
         assert!(matches!(sent, Err(ClientError::Closed)), "{sent:?}");
         let pulled = client.history("dm:a:b", 0, 10).await;
         assert!(matches!(pulled, Err(ClientError::Closed)), "{pulled:?}");
-        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+        assert!(started.elapsed() < Duration::from_secs(5));
     }
 }

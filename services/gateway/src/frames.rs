@@ -30,6 +30,9 @@ pub struct SendCmd {
     pub body: String,
     /// The phone understands a `queued` answer (see [`Outbound::Queued`]).
     pub queue: bool,
+    /// How long the phone has had the message (`age_ms`: since it was
+    /// written): a scheduling hint for the admission after a surge.
+    pub age: Duration,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -125,6 +128,7 @@ fn decode_json(bytes: &[u8]) -> Result<Inbound, (ReplyTo, Error)> {
                 conversation: send.conversation,
                 body: send.body,
                 queue: send.queue,
+                age: Duration::from_millis(send.age_ms),
             }))
         }
         ClientJson::History(h) => Ok(Inbound::History(HistoryCmd {
@@ -223,6 +227,7 @@ fn decode_protobuf(bytes: &[u8]) -> Result<Inbound, (ReplyTo, Error)> {
             conversation: send.conversation,
             body: send.body,
             queue: send.queue,
+            age: Duration::from_millis(send.age_ms),
         })),
         Some(client_frame::Kind::History(h)) => Ok(Inbound::History(HistoryCmd {
             conversation: h.conversation,

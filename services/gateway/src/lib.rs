@@ -181,6 +181,14 @@ fn held_budget(limits: &Limits) -> usize {
 /// milliseconds, so a small part holds all of them.
 const AHEAD_RESERVE: usize = 64;
 
+/// A send going ahead of the backlog that finds even that reserve full is
+/// asked back after about this long (jittered by ±50%), not at the end of
+/// the appointments: the reserve frees as the sends in it are answered,
+/// in milliseconds each. (Refused with the end's appointment, new messages
+/// after a 3x surge waited 25-35 s behind the backlog they were to go
+/// ahead of.)
+const AHEAD_RETRY: Duration = Duration::from_millis(250);
+
 /// What holding `cmd` costs of the budget for held sends, in bytes of
 /// memory.
 fn held_bytes(cmd: &SendCmd) -> u32 {
@@ -256,9 +264,9 @@ impl Gateway {
             return Ok(AdmittedSend::Join(follower));
         }
         let admitted = if cmd.queue && behind_held {
-            Err(self.admission.appoint(sender.as_str(), &cmd.id))
+            Err(self.admission.appoint(sender.as_str(), &cmd.id, cmd.age))
         } else {
-            self.admission.admit(sender.as_str(), &cmd.id)
+            self.admission.admit(sender.as_str(), &cmd.id, cmd.age)
         };
         let pass = match admitted {
             Ok(pass) => pass,
@@ -270,9 +278,11 @@ impl Gateway {
                 // A new send while the backlog drains goes ahead of it; so
                 // does one behind a held send of its conversation (the
                 // connection promotes that conversation's held sends), and
-                // this send with them.
+                // this send with them; not an old message (it goes with
+                // the backlog).
                 let new = matches!(refusal, Refusal::AheadOfBacklog { .. });
-                let promoted = new || behind_held && self.admission.draining();
+                let promoted =
+                    new || behind_held && admission::fresh(cmd.age) && self.admission.draining();
                 let wait = refusal.retry_after();
                 return self.hold(sender, cmd, key, wait, promoted, new);
             }
@@ -322,9 +332,15 @@ impl Gateway {
             })
             .flatten()
         else {
-            // No room to hold it: the phone keeps the appointment. Counted
-            // apart, so an operator sees the budget (memory) bind.
-            return Err(self.refused_for("held_bytes", Refusal::Appointment { retry_after: wait }));
+            // No room to hold it: the phone keeps the appointment, or,
+            // going ahead of the backlog, comes back soon. Counted apart,
+            // so an operator sees the budget (memory) bind.
+            let retry_after = if promoted {
+                AHEAD_RETRY.mul_f64(rand::random_range(0.5..1.5))
+            } else {
+                wait
+            };
+            return Err(self.refused_for("held_bytes", Refusal::Appointment { retry_after }));
         };
         let leader = match self.resends.lead(key) {
             Ok(leader) => leader,
@@ -373,7 +389,7 @@ impl Gateway {
     pub(crate) fn admit(&self, sender: &Sender, id: &[u8]) -> Result<Pass, Error> {
         let pass = self
             .admission
-            .admit(sender.as_str(), id)
+            .admit(sender.as_str(), id, Duration::ZERO)
             .map_err(|refusal| self.refused(refusal))?;
         self.check_send_rate(sender)?;
         Ok(pass)

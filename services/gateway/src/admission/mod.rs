@@ -135,6 +135,24 @@ impl AdmissionOptions {
     }
 }
 
+/// A message its phone has had longer than this (the send's `age_ms`) is
+/// not a new arrival: the phone held it back through a surge, or comes back
+/// with it after a long wait. It is not counted as arriving (so the end of
+/// a surge is seen while the phones let go of what they held back), and
+/// while the backlog drains it goes with the backlog, not ahead of it: it
+/// takes a free place below the limit or waits its turn. Five seconds:
+/// the phones' throttle holds a send back up to 1.5 s at a time, and a
+/// phone (or the load driver) busy through a surge tries a message written
+/// after it a few seconds late; with two, such messages were taken for the
+/// surge's and waited behind it.
+pub const FRESH_FOR: Duration = Duration::from_secs(5);
+
+/// Whether a message its phone has had for `age` is a new arrival
+/// ([`FRESH_FOR`]).
+pub fn fresh(age: Duration) -> bool {
+    age < FRESH_FOR
+}
+
 /// A phone comes back this much early for its appointment and still has it.
 const EARLY: Duration = Duration::from_millis(20);
 /// The shortest wait asked for.
@@ -274,7 +292,8 @@ enum Holder {
     New,
     /// A phone back for its appointment.
     Returning,
-    /// A held send of the backlog.
+    /// A held send of the backlog, or an old message (not
+    /// [`fresh`]) taken in below the limit.
     Backlog,
 }
 
@@ -306,13 +325,19 @@ impl Admission {
         })
     }
 
-    /// Take in the send of (`sender`, `id`), or say when to come back.
-    pub fn admit(self: &Arc<Self>, sender: &str, id: &[u8]) -> Result<Pass, Refusal> {
+    /// Take in the send of (`sender`, `id`), a message its phone has had
+    /// for `age`, or say when to come back.
+    pub fn admit(
+        self: &Arc<Self>,
+        sender: &str,
+        id: &[u8],
+        age: Duration,
+    ) -> Result<Pass, Refusal> {
         let key = self.key(sender, id);
         let now = Instant::now();
         let mut rng = rand::rng();
         self.lock()
-            .admit(key, now, &self.options, &mut rng)
+            .admit(key, fresh(age), now, &self.options, &mut rng)
             .map(|holder| self.pass(now, holder))
     }
 
@@ -328,19 +353,15 @@ impl Admission {
 
     /// An appointment for the send of (`sender`, `id`) even if there is
     /// room now: for a send that must not overtake an earlier send of its
-    /// conversation that waits for its own appointment. Always a refusal:
-    /// an appointment, or shed past the horizon.
-    pub fn appoint(&self, sender: &str, id: &[u8]) -> Refusal {
+    /// conversation that waits for its own appointment, a message its
+    /// phone has had for `age`. Always a refusal: an appointment (ahead of
+    /// the backlog for a new message while the backlog drains), or shed
+    /// past the horizon.
+    pub fn appoint(&self, sender: &str, id: &[u8], age: Duration) -> Refusal {
         let key = self.key(sender, id);
         let now = Instant::now();
-        let mut state = self.lock();
-        if let Some(&slot) = state.book.get(&key) {
-            return Refusal::Appointment {
-                retry_after: slot.saturating_duration_since(now).max(MIN_WAIT),
-            };
-        }
-        state.flow.arrived(now);
-        state.book(key, now, &self.options, &mut rand::rng())
+        self.lock()
+            .appoint(key, fresh(age), now, &self.options, &mut rand::rng())
     }
 
     /// Hold the send of (`sender`, `id`), whose appointment is `wait`
@@ -519,16 +540,20 @@ impl State {
         }
     }
 
+    /// Take in `key`'s send, `fresh` if its message is new (see
+    /// [`FRESH_FOR`]), or refuse it.
     fn admit(
         &mut self,
         key: u64,
+        fresh: bool,
         now: Instant,
         options: &AdmissionOptions,
         rng: &mut impl Rng,
     ) -> Result<Holder, Refusal> {
         let limit = self.aimd.limit();
         let appointment = self.book.get(&key).copied();
-        if appointment.is_none() {
+        let new = appointment.is_none() && fresh;
+        if new {
             self.flow.arrived(now);
         }
         let admitted = match appointment {
@@ -536,15 +561,18 @@ impl State {
             // paced at what the gateway serves), up to twice the limit.
             Some(slot) if slot <= now + EARLY => self.in_flight < limit.saturating_mul(2),
             // The surge is over: a new send goes before the backlog.
-            None if self.draining() => self.in_flight < limit.saturating_mul(2),
+            None if new && self.draining() => self.in_flight < limit.saturating_mul(2),
             // A free place is taken by whoever comes, new or early: a place
             // kept for a later appointment would be capacity lost for good.
             Some(_) | None => self.in_flight < limit,
         };
         if admitted {
-            let holder = if appointment.is_none() {
+            let holder = if new {
                 self.new_in_flight += 1;
                 Holder::New
+            } else if appointment.is_none() {
+                // An old message the gateway had not seen: the backlog's.
+                Holder::Backlog
             } else {
                 self.book.remove(&key);
                 self.returning_in_flight += 1;
@@ -568,16 +596,13 @@ impl State {
             // held sends, which leaves most of the backlog with the
             // phones). Without such phones the places are new sends' and
             // the backlog's own share, and a new send waits as a held one.
-            None if self.draining()
+            None if new
+                && self.draining()
                 && self.returning_in_flight > 0
                 && self.book.len() < MAX_BOOKED =>
             {
                 self.pace.refused(now);
-                let slot = now + self.pace.spacing();
-                self.book.insert(key, slot);
-                return Err(Refusal::AheadOfBacklog {
-                    retry_after: (slot - now).max(MIN_WAIT),
-                });
+                return Err(self.ahead_of_backlog(key, now));
             }
             // On time, but the gateway is far over its limit (the
             // appointments were paced faster than it now serves): a new
@@ -589,6 +614,44 @@ impl State {
         }
         self.pace.refused(now);
         Err(self.book(key, now, options, rng))
+    }
+
+    /// [`Admission::appoint`].
+    fn appoint(
+        &mut self,
+        key: u64,
+        fresh: bool,
+        now: Instant,
+        options: &AdmissionOptions,
+        rng: &mut impl Rng,
+    ) -> Refusal {
+        if let Some(&slot) = self.book.get(&key) {
+            return Refusal::Appointment {
+                retry_after: slot.saturating_duration_since(now).max(MIN_WAIT),
+            };
+        }
+        if fresh {
+            self.flow.arrived(now);
+            // A new message while the backlog drains waits only for its
+            // conversation's held sends, which go ahead of the backlog.
+            // Booked at the end, it waited for all of the backlog when it
+            // could not be held (the budget full after a 3x surge: new
+            // messages 25-35 s).
+            if self.draining() && self.book.len() < MAX_BOOKED {
+                return self.ahead_of_backlog(key, now);
+            }
+        }
+        self.book(key, now, options, rng)
+    }
+
+    /// An appointment for `key` one send's time from now, ahead of the
+    /// backlog's.
+    fn ahead_of_backlog(&mut self, key: u64, now: Instant) -> Refusal {
+        let slot = now + self.pace.spacing();
+        self.book.insert(key, slot);
+        Refusal::AheadOfBacklog {
+            retry_after: (slot - now).max(MIN_WAIT),
+        }
     }
 
     /// Give `key` the next appointment (or shed it past the horizon).
@@ -776,9 +839,23 @@ mod tests {
             }
         }
 
+        /// A send of a new message.
         fn admit(&mut self, key: u64, now: Instant) -> Result<(), Refusal> {
             self.state
-                .admit(key, now, &self.options, &mut self.rng)
+                .admit(key, true, now, &self.options, &mut self.rng)
+                .map(|_| ())
+        }
+
+        fn appoint(&mut self, key: u64, fresh: bool, now: Instant) -> Refusal {
+            self.state
+                .appoint(key, fresh, now, &self.options, &mut self.rng)
+        }
+
+        /// A send of a message its phone has had for longer than
+        /// [`FRESH_FOR`].
+        fn admit_old(&mut self, key: u64, now: Instant) -> Result<(), Refusal> {
+            self.state
+                .admit(key, false, now, &self.options, &mut self.rng)
                 .map(|_| ())
         }
 
@@ -799,7 +876,7 @@ mod tests {
 
     /// A send refused with an appointment, held until it.
     fn hold(admission: &Arc<Admission>, id: &[u8]) -> Ticket {
-        match admission.admit("ana", id) {
+        match admission.admit("ana", id, Duration::ZERO) {
             Err(Refusal::Appointment { retry_after }) => admission.hold("ana", id, retry_after),
             other => panic!("expected an appointment, got {:?}", other.map(|_| ())),
         }
@@ -810,7 +887,7 @@ mod tests {
         // A limit of ten: new sends first while it is busy.
         let admission = Admission::new(options(10));
         let mut first: Vec<Pass> = (0..10u8)
-            .map(|i| admission.admit("ana", &[i]).unwrap())
+            .map(|i| admission.admit("ana", &[i], Duration::ZERO).unwrap())
             .collect();
         let mut a = hold(&admission, b"a");
         let mut b = hold(&admission, b"b");
@@ -822,7 +899,11 @@ mod tests {
         // send, not to a held send before its appointment.
         first.pop();
         assert!(a.ready().is_none());
-        first.push(admission.admit("ana", b"new").expect("the free place"));
+        first.push(
+            admission
+                .admit("ana", b"new", Duration::ZERO)
+                .expect("the free place"),
+        );
         // Once fewer than seven eighths of the limit are in flight, the
         // held sends go, oldest first, past the closed one.
         first.truncate(9);
@@ -832,18 +913,22 @@ mod tests {
         first.truncate(7);
         let b = b.ready().expect("pulled forward");
         assert!(c.ready().is_none(), "9 in flight");
-        first.push(admission.admit("ana", b"x").unwrap());
+        first.push(admission.admit("ana", b"x", Duration::ZERO).unwrap());
         // At its appointment a held send goes in even above the limit (up
         // to twice it), as a phone back for its appointment does: the
         // appointments are paced at what the gateway serves. (Before the
         // pace is measured it is ten sends a second: c's appointment is
         // 0.4 s away, the late phone's 0.5 s.)
         assert!(matches!(
-            admission.admit("ana", b"late"),
+            admission.admit("ana", b"late", Duration::ZERO),
             Err(Refusal::Appointment { .. })
         ));
         tokio::time::sleep(Duration::from_millis(700)).await;
-        first.push(admission.admit("ana", b"late").expect("its appointment"));
+        first.push(
+            admission
+                .admit("ana", b"late", Duration::ZERO)
+                .expect("its appointment"),
+        );
         assert!(c.ready().is_none(), "no place given back yet");
         first.pop();
         let c = c.ready().expect("in at its appointment, above the limit");
@@ -1024,6 +1109,84 @@ mod tests {
             door.admit(key, now).is_err(),
             "no backlog, no room above the limit"
         );
+    }
+
+    #[test]
+    fn old_messages_do_not_hide_the_end_of_a_surge_and_wait_with_the_backlog() {
+        let stale = Duration::from_secs(30);
+        let mut now = Instant::now();
+        let mut door = Door::new(options(10), now);
+        let mut key = 0;
+        traffic(&mut door, &mut now, &mut key, 1, 10, 0);
+        let _backlog = [
+            held(&mut door.state, 1_000, now),
+            held(&mut door.state, 1_001, now),
+        ];
+        traffic(&mut door, &mut now, &mut key, 4, 30, 10);
+        assert!(!door.state.draining(), "a surge");
+        // After it, few new messages, and twice as many old ones as the
+        // gateway answers: messages the phones held back through the surge
+        // and let go now. Counted as arrivals, they would hide the end of
+        // the surge for as long as the phones let go.
+        for _ in 0..6 {
+            now += PACE_WINDOW;
+            for _ in 0..10 {
+                door.state.in_flight += 1;
+                door.done(now - Duration::from_millis(10), now);
+            }
+            for _ in 0..2 {
+                let _ = door.admit(key, now);
+                key += 1;
+            }
+            for _ in 0..20 {
+                let _ = door.admit_old(key, now);
+                key += 1;
+            }
+            door.state.in_flight = 10;
+        }
+        assert!(door.state.draining(), "the surge is seen to be over");
+        // An old message does not go ahead of the backlog: no place above
+        // the limit, and its appointment is behind the backlog's, however
+        // many phones are back for theirs.
+        door.state.returning_in_flight = 5;
+        let old = match door.admit_old(key, now) {
+            Err(Refusal::Appointment { retry_after }) => retry_after,
+            other => panic!("expected an appointment behind the backlog, got {other:?}"),
+        };
+        assert_eq!(door.state.last_slot, now + old, "booked at the end");
+        key += 1;
+        assert!(
+            door.admit(key, now).is_ok(),
+            "a new one goes in above the limit"
+        );
+        key += 1;
+        door.state.in_flight = 20;
+        assert!(
+            matches!(door.admit(key, now), Err(Refusal::AheadOfBacklog { .. })),
+            "a new one still goes ahead of the backlog"
+        );
+        key += 1;
+        // Below the limit an old message takes a free place, as the
+        // backlog's (not a new send's: the backlog's share is not cut for
+        // it).
+        door.state.in_flight = 9;
+        let new_in_flight = door.state.new_in_flight;
+        assert!(door.admit_old(key, now).is_ok());
+        assert_eq!(door.state.new_in_flight, new_in_flight);
+        assert!(
+            door.state.next_held(now, stale).is_none(),
+            "the limit is reached"
+        );
+        // Behind a held send of its conversation, a new message is not
+        // booked behind the backlog either; an old one is.
+        key += 1;
+        assert!(matches!(
+            door.appoint(key, true, now),
+            Refusal::AheadOfBacklog { .. }
+        ));
+        key += 1;
+        let behind = door.appoint(key, false, now).retry_after();
+        assert!(behind > old, "{behind:?} after {old:?}");
     }
 
     /// How many held sends `state` lets in from none in flight.

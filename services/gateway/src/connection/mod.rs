@@ -31,7 +31,7 @@ use self::{
 };
 use crate::{
     AdmittedSend, Gateway, Held,
-    admission::Completion,
+    admission::{self, Completion},
     frames::{self, Encoded, Encoding, HistoryCmd, Inbound, Outbound, ReplyTo, SendCmd},
 };
 
@@ -221,7 +221,7 @@ impl Connection {
     fn admit(&self, inbound: Inbound) -> Result<Work, (ReplyTo, Error)> {
         match inbound {
             Inbound::Send(cmd) => {
-                if cmd.queue {
+                if cmd.queue && admission::fresh(cmd.age) {
                     self.held
                         .promote_if_draining(&cmd.conversation, &self.gateway);
                 }
@@ -461,7 +461,10 @@ mod tests {
             max_sends_in_flight: 1,
             ..limits
         });
-        let taken = gateway.admission.admit("x", b"0").expect("the one place");
+        let taken = gateway
+            .admission
+            .admit("x", b"0", Duration::ZERO)
+            .expect("the one place");
         (gateway, taken)
     }
 
@@ -481,6 +484,7 @@ mod tests {
             conversation: format!("dm:u{i}:bo"),
             body: "hello".to_owned(),
             queue,
+            age: Duration::ZERO,
         };
         let mut kept = Vec::new();
         // The one place, then appointments 0.1 s apart (the slowest pace,
@@ -515,6 +519,7 @@ mod tests {
             conversation: format!("dm:u{i:02}:bo"),
             body: "hello".to_owned(),
             queue: true,
+            age: Duration::ZERO,
         }
     }
 
@@ -645,6 +650,7 @@ mod tests {
             conversation: "dm:ana:bo".to_owned(),
             body: "hello".to_owned(),
             queue: true,
+            age: Duration::ZERO,
         };
         let held = Held {
             ticket: gateway.admission.hold("ana", id, wait),
@@ -766,6 +772,7 @@ mod tests {
             conversation: format!("dm:u{}:u{}x", i / 100, i % 7),
             body: "the usual length of a short chat message".to_owned(),
             queue: true,
+            age: Duration::ZERO,
         };
         let charged = crate::held_bytes(&cmd(0)) as usize;
         let before = resident_bytes();

@@ -244,6 +244,7 @@ fn binary_frame() -> impl Strategy<Value = Frame> {
                 conversation,
                 body,
                 queue: false,
+                age_ms: 0,
             })
         }),
         (
@@ -320,6 +321,7 @@ fn valid_send_frame() -> impl Strategy<Value = Frame> {
                 conversation: conversation.to_owned(),
                 body,
                 queue: false,
+                age_ms: 0,
             });
             Frame::Binary(pb::ClientFrame { kind: Some(kind) }.encode_to_vec())
         } else {
@@ -330,6 +332,7 @@ fn valid_send_frame() -> impl Strategy<Value = Frame> {
                 conversation: conversation.to_owned(),
                 body,
                 queue: false,
+                age_ms: 0,
             });
             Frame::Text(serde_json::to_string(&send).unwrap())
         }

@@ -17,6 +17,8 @@
 //!
 //! The number of cases is proptest's (256), or `PROPTEST_CASES`.
 
+use std::time::Duration;
+
 use base64::{Engine, engine::general_purpose::STANDARD};
 use imdedup_domain::{
     Error, ErrorKind,
@@ -412,16 +414,23 @@ fn id() -> impl Strategy<Value = Vec<u8>> {
 }
 
 fn send_cmd() -> impl Strategy<Value = SendCmd> {
-    (id(), any::<bool>(), text(), text(), any::<bool>()).prop_map(
-        |(id, b64, conversation, body, queue)| SendCmd {
+    (
+        id(),
+        any::<bool>(),
+        text(),
+        text(),
+        any::<bool>(),
+        prop::option::of(any::<u64>()),
+    )
+        .prop_map(|(id, b64, conversation, body, queue, age_ms)| SendCmd {
             // JSON carries an ID that is not UTF-8 only as id_b64.
             id_b64: b64 || std::str::from_utf8(&id).is_err(),
             id,
             conversation,
             body,
             queue,
-        },
-    )
+            age: Duration::from_millis(age_ms.unwrap_or(0)),
+        })
 }
 
 /// A history pull as a phone writes it: any field may be left out.
@@ -456,6 +465,7 @@ fn protobuf_bytes() -> impl Strategy<Value = Vec<u8>> {
             conversation: c.conversation,
             body: c.body,
             queue: c.queue,
+            age_ms: u64::try_from(c.age.as_millis()).unwrap(),
         })),
         pull().prop_map(|p| client_frame::Kind::History(pb::HistoryFrame {
             conversation: p.conversation,
@@ -631,6 +641,9 @@ proptest! {
         if cmd.queue {
             frame["queue"] = json!(true);
         }
+        if !cmd.age.is_zero() {
+            frame["age_ms"] = json!(cmd.age.as_millis());
+        }
         if cmd.id_b64 {
             frame["id_b64"] = json!(STANDARD.encode(&cmd.id));
         } else {
@@ -648,6 +661,7 @@ proptest! {
                 conversation: cmd.conversation.clone(),
                 body: cmd.body.clone(),
                 queue: cmd.queue,
+                age_ms: u64::try_from(cmd.age.as_millis()).unwrap(),
             })),
         }
         .encode_to_vec();
