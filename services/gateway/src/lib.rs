@@ -184,9 +184,8 @@ const AHEAD_RESERVE: usize = 64;
 /// A send going ahead of the backlog that finds even that reserve full is
 /// asked back after about this long (jittered by ±50%), not at the end of
 /// the appointments: the reserve frees as the sends in it are answered,
-/// in milliseconds each. (Refused with the end's appointment, new messages
-/// after a 3x surge waited 25-35 s behind the backlog they were to go
-/// ahead of.)
+/// in milliseconds each. (With the end's appointment, such a send waited
+/// for the whole backlog it was to go ahead of.)
 const AHEAD_RETRY: Duration = Duration::from_millis(250);
 
 /// What holding `cmd` costs of the budget for held sends, in bytes of

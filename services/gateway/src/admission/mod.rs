@@ -635,8 +635,7 @@ impl State {
             // A new message while the backlog drains waits only for its
             // conversation's held sends, which go ahead of the backlog.
             // Booked at the end, it waited for all of the backlog when it
-            // could not be held (the budget full after a 3x surge: new
-            // messages 25-35 s).
+            // could not be held (the budget for held sends full).
             if self.draining() && self.book.len() < MAX_BOOKED {
                 return self.ahead_of_backlog(key, now);
             }
