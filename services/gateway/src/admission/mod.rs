@@ -1008,22 +1008,27 @@ mod tests {
         rx
     }
 
-    #[test]
-    fn once_the_surge_is_over_new_sends_go_before_the_backlog() {
-        let stale = Duration::from_secs(30);
+    /// A gateway with a limit of ten, `backlog` sends held, in a surge:
+    /// three new sends arriving per send answered for a second. The
+    /// receivers of the held sends' places, to keep while they count.
+    fn in_a_surge(backlog: u64) -> (Door, Instant, u64, Vec<oneshot::Receiver<Pass>>) {
         let mut now = Instant::now();
         let mut door = Door::new(options(10), now);
         let mut key = 0;
         traffic(&mut door, &mut now, &mut key, 1, 10, 0);
-        let _backlog = [
-            held(&mut door.state, 1_000, now),
-            held(&mut door.state, 1_001, now),
-            held(&mut door.state, 1_002, now),
-        ];
-        // A surge: three new sends arrive per send answered. They queue
-        // behind the backlog, which goes in at its appointments, up to
-        // twice the limit.
+        let held = (0..backlog)
+            .map(|i| held(&mut door.state, 1_000 + i, now))
+            .collect();
         traffic(&mut door, &mut now, &mut key, 4, 30, 10);
+        (door, now, key, held)
+    }
+
+    #[test]
+    fn once_the_surge_is_over_new_sends_go_before_the_backlog() {
+        let stale = Duration::from_secs(30);
+        // A surge: the new sends queue behind the backlog, which goes in
+        // at its appointments, up to twice the limit.
+        let (mut door, mut now, mut key, _backlog) = in_a_surge(3);
         let behind = wait(door.admit(key, now));
         assert!(
             behind > Duration::from_secs(1),
@@ -1113,15 +1118,7 @@ mod tests {
     #[test]
     fn old_messages_do_not_hide_the_end_of_a_surge_and_wait_with_the_backlog() {
         let stale = Duration::from_secs(30);
-        let mut now = Instant::now();
-        let mut door = Door::new(options(10), now);
-        let mut key = 0;
-        traffic(&mut door, &mut now, &mut key, 1, 10, 0);
-        let _backlog = [
-            held(&mut door.state, 1_000, now),
-            held(&mut door.state, 1_001, now),
-        ];
-        traffic(&mut door, &mut now, &mut key, 4, 30, 10);
+        let (mut door, mut now, mut key, _backlog) = in_a_surge(2);
         assert!(!door.state.draining(), "a surge");
         // After it, few new messages, and twice as many old ones as the
         // gateway answers: messages the phones held back through the surge
