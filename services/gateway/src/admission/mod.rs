@@ -136,21 +136,54 @@ impl AdmissionOptions {
 }
 
 /// A message its phone has had longer than this (the send's `age_ms`) is
-/// not a new arrival: the phone held it back through a surge, or comes back
-/// with it after a long wait. It is not counted as arriving (so the end of
-/// a surge is seen while the phones let go of what they held back), and
-/// while the backlog drains it goes with the backlog, not ahead of it: it
-/// takes a free place below the limit or waits its turn. Five seconds:
-/// the phones' throttle holds a send back up to 1.5 s at a time, and a
-/// phone (or the load driver) busy through a surge tries a message written
-/// after it a few seconds late; with two, such messages were taken for the
-/// surge's and waited behind it.
+/// old: the phone held it back through a surge, or comes back with it
+/// after a long wait. While the backlog drains it goes with the backlog,
+/// not ahead of it: it takes a free place within the backlog's share or
+/// waits its turn. Five seconds: the phones' throttle holds a send back up
+/// to 1.5 s at a time, and a phone busy through a surge tries a message
+/// written after it a few seconds late; with two, such messages were taken
+/// for the surge's and waited behind it.
 pub const FRESH_FOR: Duration = Duration::from_secs(5);
 
-/// Whether a message its phone has had for `age` is a new arrival
-/// ([`FRESH_FOR`]).
+/// A message its phone has had for less than this is arriving now: it is
+/// counted as an arrival for the drain rule. One second: counted up to
+/// [`FRESH_FOR`], the messages of a 3x surge's last seconds, which the
+/// phones' throttle let go after it, arrived at 6,000-12,000 a second
+/// beside 4,200 new ones, and the drain was seen 3-5 s after the surge,
+/// while the new messages of those seconds were booked behind the
+/// backlog (20-30 s).
+pub const ARRIVING_FOR: Duration = Duration::from_secs(1);
+
+/// Whether a message its phone has had for `age` goes ahead of a draining
+/// backlog ([`FRESH_FOR`]).
 pub fn fresh(age: Duration) -> bool {
     age < FRESH_FOR
+}
+
+/// A message as the admission sees it, by how long its phone has had it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Newness {
+    /// Written just now ([`ARRIVING_FOR`]): an arrival, and fresh.
+    Arriving,
+    /// Fresh ([`FRESH_FOR`]) but not arriving now.
+    Recent,
+    Old,
+}
+
+impl Newness {
+    fn of(age: Duration) -> Self {
+        if age < ARRIVING_FOR {
+            Self::Arriving
+        } else if fresh(age) {
+            Self::Recent
+        } else {
+            Self::Old
+        }
+    }
+
+    fn fresh(self) -> bool {
+        self != Self::Old
+    }
 }
 
 /// A phone comes back this much early for its appointment and still has it.
@@ -290,10 +323,8 @@ pub struct Pass {
 enum Holder {
     /// A new send (taken at once, or held ahead of the backlog).
     New,
-    /// A phone back for its appointment.
-    Returning,
-    /// A held send of the backlog, or an old message (not
-    /// [`fresh`]) taken in below the limit.
+    /// A held send of the backlog, a phone back for its appointment, or an
+    /// old message (not [`fresh`]) taken in within the backlog's share.
     Backlog,
 }
 
@@ -337,7 +368,7 @@ impl Admission {
         let now = Instant::now();
         let mut rng = rand::rng();
         self.lock()
-            .admit(key, fresh(age), now, &self.options, &mut rng)
+            .admit(key, Newness::of(age), now, &self.options, &mut rng)
             .map(|holder| self.pass(now, holder))
     }
 
@@ -361,7 +392,7 @@ impl Admission {
         let key = self.key(sender, id);
         let now = Instant::now();
         self.lock()
-            .appoint(key, fresh(age), now, &self.options, &mut rand::rng())
+            .appoint(key, Newness::of(age), now, &self.options, &mut rand::rng())
     }
 
     /// Hold the send of (`sender`, `id`), whose appointment is `wait`
@@ -474,9 +505,6 @@ impl Admission {
             state.in_flight = state.in_flight.saturating_sub(1);
             match holder {
                 Holder::New => state.new_in_flight = state.new_in_flight.saturating_sub(1),
-                Holder::Returning => {
-                    state.returning_in_flight = state.returning_in_flight.saturating_sub(1);
-                }
                 Holder::Backlog => {}
             }
             if let Some(completion) = completion {
@@ -501,8 +529,6 @@ struct State {
     in_flight: usize,
     /// Of those, new sends (see [`Pass`]).
     new_in_flight: usize,
-    /// Of those, phones back for their appointments.
-    returning_in_flight: usize,
     /// The backlog's share of the places while it drains.
     drain: DrainCap,
     /// What the gateway serves per second when it is full: the pace of
@@ -528,7 +554,6 @@ impl State {
             target: options.target,
             in_flight: 0,
             new_in_flight: 0,
-            returning_in_flight: 0,
             drain: DrainCap::new(options.initial as f64),
             pace: Pace::new(now),
             flow: Flow::new(now),
@@ -540,20 +565,20 @@ impl State {
         }
     }
 
-    /// Take in `key`'s send, `fresh` if its message is new (see
-    /// [`FRESH_FOR`]), or refuse it.
+    /// Take in `key`'s send, of a message as new as `newness`, or refuse
+    /// it.
     fn admit(
         &mut self,
         key: u64,
-        fresh: bool,
+        newness: Newness,
         now: Instant,
         options: &AdmissionOptions,
         rng: &mut impl Rng,
     ) -> Result<Holder, Refusal> {
         let limit = self.aimd.limit();
         let appointment = self.book.get(&key).copied();
-        let new = appointment.is_none() && fresh;
-        if new {
+        let new = appointment.is_none() && newness.fresh();
+        if appointment.is_none() && newness == Newness::Arriving {
             self.flow.arrived(now);
         }
         let admitted = match appointment {
@@ -562,6 +587,13 @@ impl State {
             Some(slot) if slot <= now + EARLY => self.in_flight < limit.saturating_mul(2),
             // The surge is over: a new send goes before the backlog.
             None if new && self.draining() => self.in_flight < limit.saturating_mul(2),
+            // An old message the gateway had not seen, while the backlog
+            // drains: one of the backlog, within its share of the places.
+            // Up to the limit, the surge's phones coming back long after
+            // it (refused past the horizon) filled the places, and new
+            // sends waited behind them at the shards and were then booked
+            // behind the backlog (p99 of new messages 18-23 s).
+            None if self.draining() => self.in_flight < self.backlog_room(now),
             // A free place is taken by whoever comes, new or early: a place
             // kept for a later appointment would be capacity lost for good.
             Some(_) | None => self.in_flight < limit,
@@ -570,13 +602,11 @@ impl State {
             let holder = if new {
                 self.new_in_flight += 1;
                 Holder::New
-            } else if appointment.is_none() {
-                // An old message the gateway had not seen: the backlog's.
-                Holder::Backlog
             } else {
+                // A phone back for its appointment, or an old message the
+                // gateway had not seen: the backlog's.
                 self.book.remove(&key);
-                self.returning_in_flight += 1;
-                Holder::Returning
+                Holder::Backlog
             };
             self.in_flight += 1;
             return Ok(holder);
@@ -588,19 +618,12 @@ impl State {
                     retry_after: (slot - now).max(MIN_WAIT),
                 });
             }
-            // The surge is over and every place is taken, some by phones
-            // back for their appointments (they go in up to twice the
-            // limit too): a new send still goes before them, at the next
-            // place. Booked behind them, new messages waited for all of
-            // them (14-20 s after a 3x surge against the chart's budget for
-            // held sends, which leaves most of the backlog with the
-            // phones). Without such phones the places are new sends' and
-            // the backlog's own share, and a new send waits as a held one.
-            None if new
-                && self.draining()
-                && self.returning_in_flight > 0
-                && self.book.len() < MAX_BOOKED =>
-            {
+            // The surge is over and every place is taken: a new send
+            // still goes before the backlog, at the next place. Booked
+            // behind it, new messages waited for all of it (14-20 s after a
+            // 3x surge against the chart's budget for held sends, which
+            // leaves most of the backlog with the phones).
+            None if new && self.draining() && self.book.len() < MAX_BOOKED => {
                 self.pace.refused(now);
                 return Err(self.ahead_of_backlog(key, now));
             }
@@ -620,7 +643,7 @@ impl State {
     fn appoint(
         &mut self,
         key: u64,
-        fresh: bool,
+        newness: Newness,
         now: Instant,
         options: &AdmissionOptions,
         rng: &mut impl Rng,
@@ -630,8 +653,10 @@ impl State {
                 retry_after: slot.saturating_duration_since(now).max(MIN_WAIT),
             };
         }
-        if fresh {
+        if newness == Newness::Arriving {
             self.flow.arrived(now);
+        }
+        if newness.fresh() {
             // A new message while the backlog drains waits only for its
             // conversation's held sends, which go ahead of the backlog.
             // Booked at the end, it waited for all of the backlog when it
@@ -841,20 +866,25 @@ mod tests {
         /// A send of a new message.
         fn admit(&mut self, key: u64, now: Instant) -> Result<(), Refusal> {
             self.state
-                .admit(key, true, now, &self.options, &mut self.rng)
+                .admit(key, Newness::Arriving, now, &self.options, &mut self.rng)
                 .map(|_| ())
         }
 
         fn appoint(&mut self, key: u64, fresh: bool, now: Instant) -> Refusal {
+            let newness = if fresh {
+                Newness::Arriving
+            } else {
+                Newness::Old
+            };
             self.state
-                .appoint(key, fresh, now, &self.options, &mut self.rng)
+                .appoint(key, newness, now, &self.options, &mut self.rng)
         }
 
         /// A send of a message its phone has had for longer than
         /// [`FRESH_FOR`].
         fn admit_old(&mut self, key: u64, now: Instant) -> Result<(), Refusal> {
             self.state
-                .admit(key, false, now, &self.options, &mut self.rng)
+                .admit(key, Newness::Old, now, &self.options, &mut self.rng)
                 .map(|_| ())
         }
 
@@ -1051,15 +1081,11 @@ mod tests {
             door.state.next_held(now, stale).is_none(),
             "no place above the limit"
         );
-        // Every place taken by new sends and the backlog's share: a new
-        // send waits as a held one.
+        // Every place taken (twice the limit: new sends, phones back for
+        // their appointments, the backlog's share): a new send is not
+        // booked behind the backlog, but one send's time from now, ahead
+        // of it.
         door.state.in_flight = 20;
-        wait(door.admit(key, now));
-        key += 1;
-        // Some taken by phones back for their appointments (they go in up
-        // to twice the limit too): a new send is not booked behind them,
-        // but one send's time from now, ahead of them.
-        door.state.returning_in_flight = 5;
         let last_slot = door.state.last_slot;
         let ahead = match door.admit(key, now) {
             Err(Refusal::AheadOfBacklog { retry_after }) => retry_after,
@@ -1071,14 +1097,13 @@ mod tests {
             "the backlog's appointments keep their times"
         );
         // Back for it, the phone goes in as soon as a place is free, above
-        // the limit, and it is not counted as a new arrival again.
+        // the limit.
         door.state.in_flight = 19;
         assert!(
             door.admit(key, now + ahead).is_ok(),
             "in at its appointment"
         );
         assert!(!door.state.book.contains_key(&key));
-        assert_eq!(door.state.returning_in_flight, 6);
         key += 1;
         door.state.in_flight = 11;
         // A conversation a new send waits in goes before the backlog, even
@@ -1115,6 +1140,52 @@ mod tests {
         );
     }
 
+    /// For 1.5 s after a surge, ten sends answered and two new ones
+    /// arriving every quarter second, and twenty messages of the surge as
+    /// new as `newness` that the phones held back and let go now.
+    fn let_go(door: &mut Door, now: &mut Instant, key: &mut u64, newness: Newness) {
+        for _ in 0..6 {
+            *now += PACE_WINDOW;
+            for _ in 0..10 {
+                door.state.in_flight += 1;
+                door.done(*now - Duration::from_millis(10), *now);
+            }
+            for _ in 0..2 {
+                let _ = door.admit(*key, *now);
+                *key += 1;
+            }
+            for _ in 0..20 {
+                let _ = door
+                    .state
+                    .admit(*key, newness, *now, &door.options, &mut door.rng);
+                *key += 1;
+            }
+            door.state.in_flight = 10;
+        }
+    }
+
+    /// Messages of the surge's last seconds, written less than
+    /// [`FRESH_FOR`] ago but not just now ([`ARRIVING_FOR`]), are not
+    /// counted as arrivals: the end of the surge is seen while the phones
+    /// let go of them (at five seconds they hid it for 3-5 s). They still
+    /// go ahead of the draining backlog, as new ones.
+    #[test]
+    fn recent_messages_do_not_hide_the_end_of_a_surge_but_go_ahead_of_the_backlog() {
+        let (mut door, mut now, mut key, _backlog) = in_a_surge(2);
+        assert!(!door.state.draining(), "a surge");
+        let_go(&mut door, &mut now, &mut key, Newness::Recent);
+        assert!(door.state.draining(), "the surge is seen to be over");
+        let new_in_flight = door.state.new_in_flight;
+        assert!(
+            door.state
+                .admit(key, Newness::Recent, now, &door.options, &mut door.rng)
+                .is_ok(),
+            "above the limit, as a new send"
+        );
+        assert_eq!(door.state.new_in_flight, new_in_flight + 1);
+        assert!(door.state.in_flight > 10);
+    }
+
     #[test]
     fn old_messages_do_not_hide_the_end_of_a_surge_and_wait_with_the_backlog() {
         let stale = Duration::from_secs(30);
@@ -1124,27 +1195,10 @@ mod tests {
         // gateway answers: messages the phones held back through the surge
         // and let go now. Counted as arrivals, they would hide the end of
         // the surge for as long as the phones let go.
-        for _ in 0..6 {
-            now += PACE_WINDOW;
-            for _ in 0..10 {
-                door.state.in_flight += 1;
-                door.done(now - Duration::from_millis(10), now);
-            }
-            for _ in 0..2 {
-                let _ = door.admit(key, now);
-                key += 1;
-            }
-            for _ in 0..20 {
-                let _ = door.admit_old(key, now);
-                key += 1;
-            }
-            door.state.in_flight = 10;
-        }
+        let_go(&mut door, &mut now, &mut key, Newness::Old);
         assert!(door.state.draining(), "the surge is seen to be over");
         // An old message does not go ahead of the backlog: no place above
-        // the limit, and its appointment is behind the backlog's, however
-        // many phones are back for theirs.
-        door.state.returning_in_flight = 5;
+        // the limit, and its appointment is behind the backlog's.
         let old = match door.admit_old(key, now) {
             Err(Refusal::Appointment { retry_after }) => retry_after,
             other => panic!("expected an appointment behind the backlog, got {other:?}"),
@@ -1162,16 +1216,32 @@ mod tests {
             "a new one still goes ahead of the backlog"
         );
         key += 1;
-        // Below the limit an old message takes a free place, as the
-        // backlog's (not a new send's: the backlog's share is not cut for
-        // it).
-        door.state.in_flight = 9;
+        // New sends answered late behind the backlog shrink its share of
+        // the places (see `DrainCap`). An old message takes a free place
+        // only within that share, as the backlog's (not a new send's: the
+        // share is not cut for it); past it, it waits its turn though the
+        // limit is not reached (up to the limit, the surge's phones back
+        // long after it filled the places, and new sends waited behind
+        // them).
+        for ms in 0..5 {
+            let late = now + Duration::from_millis(ms);
+            door.state.drain.update(late, late, true, 10);
+        }
+        let share = door.state.backlog_room(now);
+        assert!(share < 9, "the backlog's share: {share}");
+        door.state.in_flight = share;
+        assert!(
+            matches!(door.admit_old(key, now), Err(Refusal::Appointment { .. })),
+            "past the backlog's share"
+        );
+        key += 1;
+        door.state.in_flight = share - 1;
         let new_in_flight = door.state.new_in_flight;
         assert!(door.admit_old(key, now).is_ok());
         assert_eq!(door.state.new_in_flight, new_in_flight);
         assert!(
             door.state.next_held(now, stale).is_none(),
-            "the limit is reached"
+            "the backlog's share is taken"
         );
         // Behind a held send of its conversation, a new message is not
         // booked behind the backlog either; an old one is.
