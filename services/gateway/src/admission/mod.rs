@@ -167,6 +167,7 @@ enum Newness {
     Arriving,
     /// Fresh ([`FRESH_FOR`]) but not arriving now.
     Recent,
+    /// Older: with the backlog.
     Old,
 }
 
@@ -589,10 +590,10 @@ impl State {
             None if new && self.draining() => self.in_flight < limit.saturating_mul(2),
             // An old message the gateway had not seen, while the backlog
             // drains: one of the backlog, within its share of the places.
-            // Up to the limit, the surge's phones coming back long after
-            // it (refused past the horizon) filled the places, and new
-            // sends waited behind them at the shards and were then booked
-            // behind the backlog (p99 of new messages 18-23 s).
+            // Up to the limit, the phones refused past the horizon in a 3x
+            // surge, back 20 s later at up to 18,000 a second, could fill
+            // the places, and every new send waited behind them at the
+            // shards.
             None if self.draining() => self.in_flight < self.backlog_room(now),
             // A free place is taken by whoever comes, new or early: a place
             // kept for a later appointment would be capacity lost for good.
