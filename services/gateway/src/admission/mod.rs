@@ -864,29 +864,27 @@ mod tests {
             }
         }
 
-        /// A send of a new message.
-        fn admit(&mut self, key: u64, now: Instant) -> Result<(), Refusal> {
+        /// A send of a message as new as `newness`.
+        fn send(&mut self, key: u64, newness: Newness, now: Instant) -> Result<(), Refusal> {
             self.state
-                .admit(key, Newness::Arriving, now, &self.options, &mut self.rng)
+                .admit(key, newness, now, &self.options, &mut self.rng)
                 .map(|_| ())
         }
 
-        fn appoint(&mut self, key: u64, fresh: bool, now: Instant) -> Refusal {
-            let newness = if fresh {
-                Newness::Arriving
-            } else {
-                Newness::Old
-            };
-            self.state
-                .appoint(key, newness, now, &self.options, &mut self.rng)
+        /// A send of a new message.
+        fn admit(&mut self, key: u64, now: Instant) -> Result<(), Refusal> {
+            self.send(key, Newness::Arriving, now)
         }
 
         /// A send of a message its phone has had for longer than
         /// [`FRESH_FOR`].
         fn admit_old(&mut self, key: u64, now: Instant) -> Result<(), Refusal> {
+            self.send(key, Newness::Old, now)
+        }
+
+        fn appoint(&mut self, key: u64, newness: Newness, now: Instant) -> Refusal {
             self.state
-                .admit(key, Newness::Old, now, &self.options, &mut self.rng)
-                .map(|_| ())
+                .appoint(key, newness, now, &self.options, &mut self.rng)
         }
 
         fn done(&mut self, started: Instant, now: Instant) {
@@ -1156,9 +1154,7 @@ mod tests {
                 *key += 1;
             }
             for _ in 0..20 {
-                let _ = door
-                    .state
-                    .admit(*key, newness, *now, &door.options, &mut door.rng);
+                let _ = door.send(*key, newness, *now);
                 *key += 1;
             }
             door.state.in_flight = 10;
@@ -1178,9 +1174,7 @@ mod tests {
         assert!(door.state.draining(), "the surge is seen to be over");
         let new_in_flight = door.state.new_in_flight;
         assert!(
-            door.state
-                .admit(key, Newness::Recent, now, &door.options, &mut door.rng)
-                .is_ok(),
+            door.send(key, Newness::Recent, now).is_ok(),
             "above the limit, as a new send"
         );
         assert_eq!(door.state.new_in_flight, new_in_flight + 1);
@@ -1248,11 +1242,11 @@ mod tests {
         // booked behind the backlog either; an old one is.
         key += 1;
         assert!(matches!(
-            door.appoint(key, true, now),
+            door.appoint(key, Newness::Arriving, now),
             Refusal::AheadOfBacklog { .. }
         ));
         key += 1;
-        let behind = door.appoint(key, false, now).retry_after();
+        let behind = door.appoint(key, Newness::Old, now).retry_after();
         assert!(behind > old, "{behind:?} after {old:?}");
     }
 
