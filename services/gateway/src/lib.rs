@@ -348,7 +348,7 @@ impl Gateway {
                 return Ok(AdmittedSend::Join(follower));
             }
         };
-        let mut ticket = self.admission.hold(sender.as_str(), &cmd.id, wait);
+        let mut ticket = self.admission.hold(sender.as_str(), &cmd.id, wait, cmd.age);
         self.sample_now_and_then();
         if let Some(pass) = ticket.ready() {
             // A place was free for it (the gateway is far from its limit):
@@ -369,6 +369,11 @@ impl Gateway {
     /// Whether the backlog of held sends is draining (see [`admission`]).
     pub(crate) fn draining(&self) -> bool {
         self.admission.draining()
+    }
+
+    /// A held send's new place in the queue, at the front of the backlog.
+    pub(crate) fn hold_ahead(&self, sender: &Sender, id: &[u8]) -> Ticket {
+        self.admission.hold_ahead(sender.as_str(), id)
     }
 
     /// A held send's new place in the queue, ahead of the backlog.

@@ -54,11 +54,15 @@
 //!
 //! **New sends first once the surge is over.** Once new sends arrive
 //! slower than the gateway answers ([`rates::DRAIN_SHARE`], smoothed over quarter
-//! seconds), and until they arrive as fast again ([`rates::SURGE_SHARE`]), the
+//! seconds, or in each of two quarter seconds in a row), and until they
+//! arrive as fast again ([`rates::SURGE_SHARE`]), the
 //! backlog is draining: a new send then goes in up to twice
 //! the limit, and held sends take places only below the limit. New
 //! messages flow at their usual latency while the backlog drains with what
-//! they leave; in order of arrival they would wait behind all of it.
+//! they leave; in order of arrival they would wait behind all of it. The
+//! new messages held behind the backlog in the moments before the drain
+//! was seen (since the quarter second in which the backlog last grew)
+//! move to its front when it is ([`Call::Ahead`]).
 //! During a surge (more arriving than answered) the queue stays in order
 //! of arrival, so no held send is starved by the surge's new sends. A send
 //! behind a held send of its conversation still waits for it, so while
@@ -271,21 +275,45 @@ pub struct Admission {
 }
 
 /// A held send's place in the queue: it receives the send's place of the
-/// limit when its turn comes.
+/// limit when its turn comes, or word that it is to move to the front of
+/// the backlog.
 pub struct Ticket {
-    place: oneshot::Receiver<Pass>,
+    call: oneshot::Receiver<Call>,
+    /// [`Call::Ahead`] came while asking whether the place had.
+    ahead: bool,
+}
+
+/// What a held send's [`Ticket`] receives.
+pub enum Call {
+    /// Its place of the limit.
+    Place(Pass),
+    /// A new message held behind the backlog just before the gateway saw
+    /// that the surge was over: it is out of the queue, to go to the front
+    /// of the backlog ([`Admission::hold_ahead`]), its conversation's
+    /// earlier held sends ahead of it.
+    Ahead,
 }
 
 impl Ticket {
     /// The place, if it came already.
     pub fn ready(&mut self) -> Option<Pass> {
-        self.place.try_recv().ok()
+        match self.call.try_recv() {
+            Ok(Call::Place(pass)) => Some(pass),
+            Ok(Call::Ahead) => {
+                self.ahead = true;
+                None
+            }
+            Err(_) => None,
+        }
     }
 
-    /// Wait for the place; `None` if the send was held too long and given
-    /// up.
-    pub async fn place(&mut self) -> Option<Pass> {
-        (&mut self.place).await.ok()
+    /// Wait for the place or the word to go ahead; `None` if the send was
+    /// held too long and given up. Once either came the ticket is spent.
+    pub async fn call(&mut self) -> Option<Call> {
+        if std::mem::take(&mut self.ahead) {
+            return Some(Call::Ahead);
+        }
+        (&mut self.call).await.ok()
     }
 }
 
@@ -294,7 +322,13 @@ struct Waiter {
     key: u64,
     /// Its appointment.
     due: Instant,
-    place: oneshot::Sender<Pass>,
+    /// When it was held, and whether its message was arriving then
+    /// ([`Newness::Arriving`]): such sends held just before the end of a
+    /// surge was seen move to the front of the backlog once it is
+    /// ([`State::drain_began`]).
+    held_at: Instant,
+    arriving: bool,
+    place: oneshot::Sender<Call>,
     /// Whose its place will be: a new send's when it was held ahead of the
     /// backlog ([`Refusal::AheadOfBacklog`]), so the draining backlog keeps
     /// to its share while it is in flight; the backlog's otherwise.
@@ -396,10 +430,36 @@ impl Admission {
             .appoint(key, Newness::of(age), now, &self.options, &mut rand::rng())
     }
 
-    /// Hold the send of (`sender`, `id`), whose appointment is `wait`
-    /// from now, until a place is given to it (see the module's comment).
-    pub fn hold(self: &Arc<Self>, sender: &str, id: &[u8], wait: Duration) -> Ticket {
-        self.enqueue(sender, id, wait, false, false)
+    /// Hold the send of (`sender`, `id`), a message its phone has had for
+    /// `age` and whose appointment is `wait` from now, until a place is
+    /// given to it (see the module's comment).
+    pub fn hold(
+        self: &Arc<Self>,
+        sender: &str,
+        id: &[u8],
+        wait: Duration,
+        age: Duration,
+    ) -> Ticket {
+        let arriving = Newness::of(age) == Newness::Arriving;
+        self.enqueue(sender, id, wait, Lane::Backlog, Holder::Backlog, arriving)
+    }
+
+    /// Hold the send of (`sender`, `id`) at the front of the backlog: a
+    /// new message held behind it before the drain was seen
+    /// ([`Call::Ahead`]), once the send before it in its conversation was
+    /// answered. It takes a place within the backlog's share, before any
+    /// other held send of the backlog, so the new sends arriving meanwhile
+    /// do not wait behind it (in the queue of [`Admission::hold_urgent`]
+    /// they did: 0.5-1 s in the 3rd-5th second after a 3x surge).
+    pub fn hold_ahead(self: &Arc<Self>, sender: &str, id: &[u8]) -> Ticket {
+        self.enqueue(
+            sender,
+            id,
+            Duration::ZERO,
+            Lane::Ahead,
+            Holder::Backlog,
+            false,
+        )
     }
 
     /// Hold the send of (`sender`, `id`) ahead of the backlog, up to twice
@@ -409,7 +469,8 @@ impl Admission {
     /// waiter is dropped from the queue as it comes up); and for a `new`
     /// send that found every place taken ([`Refusal::AheadOfBacklog`]).
     pub fn hold_urgent(self: &Arc<Self>, sender: &str, id: &[u8], new: bool) -> Ticket {
-        self.enqueue(sender, id, Duration::ZERO, true, new)
+        let holder = if new { Holder::New } else { Holder::Backlog };
+        self.enqueue(sender, id, Duration::ZERO, Lane::Urgent, holder, false)
     }
 
     fn enqueue(
@@ -417,19 +478,23 @@ impl Admission {
         sender: &str,
         id: &[u8],
         wait: Duration,
-        urgent: bool,
-        new: bool,
+        lane: Lane,
+        holder: Holder,
+        arriving: bool,
     ) -> Ticket {
-        let (tx, place) = oneshot::channel();
+        let (tx, call) = oneshot::channel();
+        let now = Instant::now();
         let waiter = Waiter {
             key: self.key(sender, id),
-            due: Instant::now() + wait,
+            due: now + wait,
+            held_at: now,
+            arriving,
             place: tx,
-            holder: if new { Holder::New } else { Holder::Backlog },
+            holder,
         };
-        self.lock().hold(waiter, urgent);
+        self.lock().hold(waiter, lane);
         self.dispatch();
-        Ticket { place }
+        Ticket { call, ahead: false }
     }
 
     /// Whether the backlog is draining: a backlog is held and new sends
@@ -452,7 +517,9 @@ impl Admission {
     /// Hand `waiter` the place taken for it. A held send whose connection
     /// closed just now gives the place back as it is dropped.
     fn give(self: &Arc<Self>, waiter: Waiter, now: Instant) {
-        let _ = waiter.place.send(self.pass(now, waiter.holder));
+        let _ = waiter
+            .place
+            .send(Call::Place(self.pass(now, waiter.holder)));
     }
 
     /// How long after its appointment a held send is given up.
@@ -476,6 +543,13 @@ impl Admission {
             booked: state.book.len(),
             backlog_places: state.backlog_room(Instant::now()),
         }
+    }
+
+    /// As if the end of a surge had just been seen, the surge last seen
+    /// at `since` ([`State::drain_began`]).
+    #[cfg(test)]
+    pub(crate) fn drain_began(&self, since: Instant) {
+        self.lock().drain_began(since);
     }
 
     /// Appointments given out and not kept yet (held sends included).
@@ -546,6 +620,20 @@ struct State {
     /// Held sends that go before `held`: of conversations a new send waits
     /// in while the backlog drains.
     urgent: VecDeque<Waiter>,
+    /// Held sends at the front of the backlog ([`Admission::hold_ahead`]).
+    ahead: VecDeque<Waiter>,
+}
+
+/// Which queue a held send waits in; the urgent one is served first, the
+/// backlog last.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Lane {
+    /// With the backlog, at its appointment ([`Admission::hold`]).
+    Backlog,
+    /// At the front of the backlog ([`Admission::hold_ahead`]).
+    Ahead,
+    /// Ahead of the backlog ([`Admission::hold_urgent`]).
+    Urgent,
 }
 
 impl State {
@@ -563,6 +651,7 @@ impl State {
             last_sweep: now,
             held: VecDeque::new(),
             urgent: VecDeque::new(),
+            ahead: VecDeque::new(),
         }
     }
 
@@ -580,7 +669,7 @@ impl State {
         let appointment = self.book.get(&key).copied();
         let new = appointment.is_none() && newness.fresh();
         if appointment.is_none() && newness == Newness::Arriving {
-            self.flow.arrived(now);
+            self.arrived(now);
         }
         let admitted = match appointment {
             // Its turn: in, even above the limit (the appointments are
@@ -640,6 +729,42 @@ impl State {
         Err(self.book(key, now, options, rng))
     }
 
+    /// A new send arrived: counted for the drain rule.
+    fn arrived(&mut self, now: Instant) {
+        if let Some(since) = self.flow.arrived(now) {
+            self.drain_began(since);
+        }
+    }
+
+    /// The gateway just saw that the surge is over, the backlog having
+    /// last grown in the quarter second from `since`: the
+    /// sends held from then on whose messages were arriving when held are
+    /// new messages written after the surge (or in its last moment), held
+    /// behind the backlog only because the end was not seen yet. They move
+    /// to its front. (Left in the queue, the new messages of the first
+    /// second after a 3x surge waited 20-30 s.) Their connections move
+    /// them once the sends before them in their conversations are
+    /// answered, and move those ahead, so the conversations' order holds
+    /// ([`Call::Ahead`]).
+    fn drain_began(&mut self, since: Instant) {
+        // Held sends are pushed at the back as they come, so those held
+        // since then are the end of the queue.
+        let from = self
+            .held
+            .iter()
+            .rposition(|waiter| waiter.held_at < since)
+            .map_or(0, |before| before + 1);
+        let recent: Vec<Waiter> = self.held.drain(from..).collect();
+        for waiter in recent {
+            if waiter.arriving {
+                self.book.remove(&waiter.key);
+                let _ = waiter.place.send(Call::Ahead);
+            } else {
+                self.held.push_back(waiter);
+            }
+        }
+    }
+
     /// [`Admission::appoint`].
     fn appoint(
         &mut self,
@@ -655,7 +780,7 @@ impl State {
             };
         }
         if newness == Newness::Arriving {
-            self.flow.arrived(now);
+            self.arrived(now);
         }
         if newness.fresh() {
             // A new message while the backlog drains waits only for its
@@ -702,15 +827,15 @@ impl State {
         }
     }
 
-    fn hold(&mut self, waiter: Waiter, urgent: bool) {
-        if urgent {
-            self.urgent.push_back(waiter);
-        } else {
+    fn hold(&mut self, waiter: Waiter, lane: Lane) {
+        match lane {
+            Lane::Urgent => self.urgent.push_back(waiter),
+            Lane::Ahead => self.ahead.push_back(waiter),
             // Appointments are handed out in order, so the queue stays in
             // their order (a send held behind its conversation's held send
             // may repeat an earlier appointment; it still goes after that
             // send).
-            self.held.push_back(waiter);
+            Lane::Backlog => self.held.push_back(waiter),
         }
     }
 
@@ -726,6 +851,9 @@ impl State {
             // Up to twice the limit, as a phone back for its appointment:
             // new sends wait for these in their conversation's turn.
             (&mut self.urgent, self.in_flight < limit.saturating_mul(2))
+        } else if live_front(&mut self.ahead, &mut self.book, now, stale).is_some() {
+            // The front of the backlog, within its share.
+            (&mut self.ahead, self.in_flight < room)
         } else {
             let front = live_front(&mut self.held, &mut self.book, now, stale)?;
             let due = front.due <= now + EARLY && self.in_flight < room;
@@ -753,7 +881,9 @@ impl State {
     ) {
         let rtt = now.saturating_duration_since(started);
         self.pace.answered(now);
-        self.flow.answered(now);
+        if let Some(since) = self.flow.answered(now) {
+            self.drain_began(since);
+        }
         let congested = completion == Completion::Congested || rtt > self.target;
         self.aimd.update(started, now, in_flight, congested);
         let limit = self.aimd.limit();
@@ -769,6 +899,7 @@ impl State {
         } else if completion == Completion::Answered
             && self.held.is_empty()
             && self.urgent.is_empty()
+            && self.ahead.is_empty()
             && in_flight * 2 <= limit
         {
             self.drain.calm(rtt);
@@ -799,7 +930,8 @@ impl State {
     /// Whether a backlog is held while new sends arrive slower than the
     /// gateway answers: the surge is over.
     fn draining(&self) -> bool {
-        !(self.held.is_empty() && self.urgent.is_empty()) && self.flow.draining()
+        !(self.held.is_empty() && self.urgent.is_empty() && self.ahead.is_empty())
+            && self.flow.draining()
     }
 
     /// Forget appointments nobody came for, now and then.
@@ -905,7 +1037,9 @@ mod tests {
     /// A send refused with an appointment, held until it.
     fn hold(admission: &Arc<Admission>, id: &[u8]) -> Ticket {
         match admission.admit("ana", id, Duration::ZERO) {
-            Err(Refusal::Appointment { retry_after }) => admission.hold("ana", id, retry_after),
+            Err(Refusal::Appointment { retry_after }) => {
+                admission.hold("ana", id, retry_after, Duration::ZERO)
+            }
             other => panic!("expected an appointment, got {:?}", other.map(|_| ())),
         }
     }
@@ -1011,11 +1145,13 @@ mod tests {
         }
     }
 
-    /// A held send of the backlog.
-    fn waiter(key: u64, due: Instant, place: oneshot::Sender<Pass>) -> Waiter {
+    /// A held send of the backlog, held at its appointment.
+    fn waiter(key: u64, due: Instant, place: oneshot::Sender<Call>) -> Waiter {
         Waiter {
             key,
             due,
+            held_at: due,
+            arriving: false,
             place,
             holder: Holder::Backlog,
         }
@@ -1031,16 +1167,16 @@ mod tests {
         }
     }
 
-    fn held(state: &mut State, key: u64, due: Instant) -> oneshot::Receiver<Pass> {
+    fn held(state: &mut State, key: u64, due: Instant) -> oneshot::Receiver<Call> {
         let (place, rx) = oneshot::channel();
-        state.hold(waiter(key, due, place), false);
+        state.hold(waiter(key, due, place), Lane::Backlog);
         rx
     }
 
     /// A gateway with a limit of ten, `backlog` sends held, in a surge:
     /// three new sends arriving per send answered for a second. The
     /// receivers of the held sends' places, to keep while they count.
-    fn in_a_surge(backlog: u64) -> (Door, Instant, u64, Vec<oneshot::Receiver<Pass>>) {
+    fn in_a_surge(backlog: u64) -> (Door, Instant, u64, Vec<oneshot::Receiver<Call>>) {
         let mut now = Instant::now();
         let mut door = Door::new(options(10), now);
         let mut key = 0;
@@ -1108,14 +1244,14 @@ mod tests {
         // A conversation a new send waits in goes before the backlog, even
         // above the limit (the new send waits for it).
         let (place, mut urgent) = oneshot::channel();
-        door.state.hold(waiter(2_000, now, place), true);
+        door.state.hold(waiter(2_000, now, place), Lane::Urgent);
         door.state.in_flight = 12;
         let first = door
             .state
             .next_held(now, stale)
             .expect("a place above the limit");
         assert_eq!(first.key, 2_000, "the urgent one");
-        assert!(first.place.send(pass(now)).is_ok());
+        assert!(first.place.send(Call::Place(pass(now))).is_ok());
         assert!(urgent.try_recv().is_ok());
         assert!(
             door.state.next_held(now, stale).is_none(),
@@ -1179,6 +1315,87 @@ mod tests {
         );
         assert_eq!(door.state.new_in_flight, new_in_flight + 1);
         assert!(door.state.in_flight > 10);
+    }
+
+    /// A send held now, of a message arriving now or not.
+    fn held_now(
+        state: &mut State,
+        key: u64,
+        now: Instant,
+        arriving: bool,
+    ) -> oneshot::Receiver<Call> {
+        let (place, rx) = oneshot::channel();
+        state.book.insert(key, now + Duration::from_secs(20));
+        state.hold(
+            Waiter {
+                key,
+                due: now + Duration::from_secs(20),
+                held_at: now,
+                arriving,
+                place,
+                holder: Holder::Backlog,
+            },
+            Lane::Backlog,
+        );
+        rx
+    }
+
+    /// The end of a surge is seen a second or so after it (the rates are
+    /// smoothed): new messages held behind the backlog meanwhile go ahead
+    /// of it once it is seen, as new sends arriving then do. Messages held
+    /// while the surge was still seen, and old ones, stay in the queue.
+    #[test]
+    fn new_messages_held_before_the_end_of_a_surge_was_seen_go_ahead_once_it_is() {
+        let (mut door, mut now, mut key, _backlog) = in_a_surge(2);
+        let mut in_surge = held_now(&mut door.state, 100, now, true);
+        traffic(&mut door, &mut now, &mut key, 2, 30, 10);
+        // The surge is over: two new sends a quarter second, ten answered.
+        traffic(&mut door, &mut now, &mut key, 1, 2, 10);
+        assert!(!door.state.draining(), "not seen yet");
+        let mut after = held_now(&mut door.state, 101, now, true);
+        let mut old = held_now(&mut door.state, 102, now, false);
+        traffic(&mut door, &mut now, &mut key, 4, 2, 10);
+        assert!(door.state.draining(), "seen now");
+        assert!(
+            matches!(after.try_recv(), Ok(Call::Ahead)),
+            "the new message goes ahead"
+        );
+        assert!(!door.state.held.iter().any(|waiter| waiter.key == 101));
+        assert!(!door.state.book.contains_key(&101));
+        assert!(in_surge.try_recv().is_err(), "held in the surge: stays");
+        assert!(old.try_recv().is_err(), "an old message: stays");
+        let queued: Vec<u64> = door.state.held.iter().map(|waiter| waiter.key).collect();
+        assert_eq!(
+            queued,
+            [1_000, 1_001, 100, 102],
+            "the rest keep their order"
+        );
+    }
+
+    /// A new message moved ahead when the drain began waits at the front
+    /// of the backlog: before the backlog's other held sends, but within
+    /// its share of the places, so the new sends arriving meanwhile are
+    /// not queued behind it.
+    #[test]
+    fn a_send_moved_ahead_is_the_first_of_the_backlog_within_its_share() {
+        let stale = Duration::from_secs(30);
+        let (mut door, mut now, mut key, _backlog) = in_a_surge(2);
+        traffic(&mut door, &mut now, &mut key, 6, 5, 10);
+        assert!(door.state.draining());
+        let (place, _ahead) = oneshot::channel();
+        door.state.hold(waiter(3_000, now, place), Lane::Ahead);
+        door.state.in_flight = 10;
+        assert!(
+            door.state.next_held(now, stale).is_none(),
+            "no place above the limit"
+        );
+        assert!(door.admit(key, now).is_ok(), "a new send goes in above it");
+        door.state.in_flight = 0;
+        let first = door.state.next_held(now, stale).expect("a free place");
+        assert_eq!(first.key, 3_000, "before the rest of the backlog");
+        assert_eq!(first.holder, Holder::Backlog, "one of the backlog's places");
+        let next = door.state.next_held(now, stale).expect("a free place");
+        assert_eq!(next.key, 1_000, "then the backlog in its order");
     }
 
     #[test]
@@ -1255,7 +1472,7 @@ mod tests {
         state.in_flight = 0;
         let mut taken = 0;
         while let Some(waiter) = state.next_held(now, stale) {
-            state.hold(waiter, false);
+            state.hold(waiter, Lane::Backlog);
             taken += 1;
         }
         taken
@@ -1346,7 +1563,7 @@ mod tests {
         let mut state = State::new(options(1), now);
         state.in_flight = 2;
         let (tx, mut rx) = oneshot::channel();
-        state.hold(waiter(7, now, tx), false);
+        state.hold(waiter(7, now, tx), Lane::Backlog);
         // Twice the limit in flight: not even at its appointment.
         assert!(state.next_held(now, Duration::from_secs(30)).is_none());
         let later = now + Duration::from_secs(31);

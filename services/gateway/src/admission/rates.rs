@@ -95,6 +95,12 @@ pub(super) struct Flow {
     /// [`DRAIN_SHARE`] of the sends answered, cleared only when they arrive
     /// at [`SURGE_SHARE`] or more.
     draining: bool,
+    /// The start of the last window in which, by its own counts (not
+    /// smoothed), new sends arrived at [`SURGE_SHARE`] of the answers or
+    /// more: where the backlog last grew.
+    surge_seen: Instant,
+    /// Windows in a row each a drain's by its own counts.
+    quiet: u32,
 }
 
 /// Weight of a window's counts in the smoothed rates.
@@ -109,6 +115,12 @@ pub(super) const DRAIN_SHARE: f64 = 0.6;
 /// the backlog in a quarter second that looked like a surge waited for all
 /// of it (a whole second of new messages 13.7 s, in the middle of a drain).
 pub(super) const SURGE_SHARE: f64 = 1.0;
+/// A drain also begins after this many windows in a row each a drain's by
+/// its own counts: the smoothed rates see the end of a 1.5x surge about a
+/// second after it, and the new messages read meanwhile are held behind
+/// the backlog until then. One window is not enough: a surge's arrivals
+/// come in bursts.
+const QUIET_WINDOWS: u32 = 2;
 
 impl Flow {
     pub(super) fn new(now: Instant) -> Self {
@@ -119,39 +131,61 @@ impl Flow {
             arrivals: 0.0,
             answers: 0.0,
             draining: false,
+            surge_seen: now,
+            quiet: 0,
         }
     }
 
-    pub(super) fn arrived(&mut self, now: Instant) {
+    /// A new send arrived. If the surge is seen to be over just now: where
+    /// it was last seen (see [`Flow::roll`]).
+    pub(super) fn arrived(&mut self, now: Instant) -> Option<Instant> {
         self.arrived = self.arrived.saturating_add(1);
-        self.roll(now);
+        self.roll(now)
     }
 
-    pub(super) fn answered(&mut self, now: Instant) {
+    /// A send was answered; what [`Flow::arrived`] returns.
+    pub(super) fn answered(&mut self, now: Instant) -> Option<Instant> {
         self.answered = self.answered.saturating_add(1);
-        self.roll(now);
+        self.roll(now)
     }
 
-    fn roll(&mut self, now: Instant) {
+    /// End the window if it is over; if the drain begins with it, where
+    /// the backlog last grew.
+    fn roll(&mut self, now: Instant) -> Option<Instant> {
         let elapsed = now.saturating_duration_since(self.window_start);
         if elapsed < PACE_WINDOW {
-            return;
+            return None;
         }
         let seconds = elapsed.as_secs_f64();
         let arrivals = f64::from(std::mem::take(&mut self.arrived)) / seconds;
         let answers = f64::from(std::mem::take(&mut self.answered)) / seconds;
+        if arrivals < DRAIN_SHARE * answers {
+            self.quiet = self.quiet.saturating_add(1);
+        } else {
+            self.quiet = 0;
+        }
+        // Not the last window that was not a drain's: after a surge, a
+        // quarter second in which the answers dip looks like one, and the
+        // new messages held before it were not moved ahead (p99 17 s).
+        if arrivals >= SURGE_SHARE * answers {
+            self.surge_seen = self.window_start;
+        }
         self.arrivals += FLOW_WEIGHT * (arrivals - self.arrivals);
         self.answers += FLOW_WEIGHT * (answers - self.answers);
         self.window_start = now;
+        let was_draining = self.draining;
         if self.draining {
             self.draining = self.arrivals < SURGE_SHARE * self.answers;
         } else {
-            self.draining = self.arrivals < DRAIN_SHARE * self.answers;
+            self.draining =
+                self.arrivals < DRAIN_SHARE * self.answers || self.quiet >= QUIET_WINDOWS;
         }
+        (self.draining && !was_draining).then_some(self.surge_seen)
     }
 
-    /// New sends arrived at less than [`DRAIN_SHARE`] of those answered,
-    /// and not at [`SURGE_SHARE`] or more since.
+    /// New sends arrived at less than [`DRAIN_SHARE`] of those answered
+    /// (smoothed, or in each of the last [`QUIET_WINDOWS`]), and not at
+    /// [`SURGE_SHARE`] or more since.
     pub(super) fn draining(&self) -> bool {
         self.draining
     }
@@ -273,5 +307,47 @@ mod tests {
             flow_window(&mut flow, &mut now, 1_500, 1_000);
         }
         assert!(!flow.draining());
+    }
+
+    /// The end of a 1.5x surge is seen within two quarter seconds of
+    /// fewer arrivals, not after the smoothed rates come down (a second),
+    /// while one quiet quarter second within a surge is not taken for its
+    /// end. When it is seen, the flow says where the surge was last seen.
+    #[test]
+    fn the_end_of_a_surge_is_seen_within_two_quiet_windows() {
+        let mut now = Instant::now();
+        let mut flow = Flow::new(now);
+        for _ in 0..8 {
+            flow_window(&mut flow, &mut now, 1_500, 1_000);
+        }
+        flow_window(&mut flow, &mut now, 400, 1_000);
+        flow_window(&mut flow, &mut now, 1_500, 1_000);
+        assert!(!flow.draining(), "a burst's gap is not the end");
+        let last_surge_window = now;
+        flow_window(&mut flow, &mut now, 1_500, 1_000);
+        // After it, the answers dip for a quarter second: the backlog does
+        // not grow, it is not where the surge was last seen.
+        flow_window(&mut flow, &mut now, 600, 800);
+        let mut began = None;
+        for _ in 0..3 {
+            let end = now + PACE_WINDOW;
+            for _ in 0..500 {
+                now += PACE_WINDOW / 1_500;
+                began = began.or(flow.arrived(now));
+                for _ in 0..2 {
+                    began = began.or(flow.answered(now));
+                }
+            }
+            now = now.max(end);
+        }
+        assert!(flow.draining(), "seen within three quarter seconds");
+        let since = began.expect("the drain began here");
+        let off = since
+            .saturating_duration_since(last_surge_window)
+            .max(last_surge_window.saturating_duration_since(since));
+        assert!(
+            off < PACE_WINDOW,
+            "the surge was last seen in the window from {last_surge_window:?}, not {since:?}"
+        );
     }
 }

@@ -14,7 +14,7 @@ use super::{
 };
 use crate::{
     Gateway, Held,
-    admission::{Completion, Pass},
+    admission::{Call, Completion, Lane, Pass},
     frames::{ReplyTo, SendCmd},
     resends::Leader,
 };
@@ -89,29 +89,53 @@ pub(super) async fn serve_held(
 ) {
     let Held {
         mut ticket,
-        mut promoted,
+        promoted,
         new,
         leader,
         ..
     } = hold;
     let Turn { mut after, done } = turn;
-    let mut urgent = false;
+    // The queue its ticket is for, and the one it is to move to.
+    let mut lane = Lane::Backlog;
+    let mut wanted = if promoted {
+        Lane::Urgent
+    } else {
+        Lane::Backlog
+    };
+    // The ticket's word to go ahead came: it is out of the queue until
+    // moved.
+    let mut spent = false;
     let placed = loop {
         tokio::select! {
             () = closing.cancelled() => break Err(Error::unavailable(
                 "the connection closed before the queued send's turn; not stored: resend with the same id",
             )),
-            pass = ticket.place() => break pass.ok_or_else(|| reply.gateway.held_too_long()),
+            call = ticket.call(), if !spent => match call {
+                Some(Call::Place(pass)) => break Ok(pass),
+                // A new message held just before the end of the surge was
+                // seen: to the front of the backlog, and its conversation's
+                // held sends ahead of it.
+                Some(Call::Ahead) => {
+                    promote.notify_waiters();
+                    wanted = wanted.max(Lane::Ahead);
+                    spent = true;
+                }
+                None => break Err(reply.gateway.held_too_long()),
+            },
             // Its conversation has a new send while the backlog drains:
             // ahead of the backlog,
-            () = promote.notified(), if !promoted => promoted = true,
+            () = promote.notified(), if wanted < Lane::Urgent => wanted = Lane::Urgent,
             // once the sends before it are answered (the old ticket,
             // dropped, leaves the queue). Ahead of them it would take a
             // place and wait for their turn in it, and sends waiting so,
             // once they hold every place, leave none for those before them.
-            () = answered(&mut after), if promoted && !urgent => {
-                ticket = reply.gateway.hold_urgent(&sender, &cmd.id, new);
-                urgent = true;
+            () = answered(&mut after), if wanted > lane => {
+                ticket = if wanted == Lane::Urgent {
+                    reply.gateway.hold_urgent(&sender, &cmd.id, new)
+                } else {
+                    reply.gateway.hold_ahead(&sender, &cmd.id)
+                };
+                (lane, spent) = (wanted, false);
             }
         }
     };

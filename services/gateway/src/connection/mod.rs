@@ -637,6 +637,16 @@ mod tests {
         id: &[u8],
         wait: Duration,
     ) -> (Reply, mpsc::Receiver<Message>, SendCmd, Held) {
+        held_message(gateway, id, wait, Duration::ZERO)
+    }
+
+    /// The same, of a message its phone has had for `age`.
+    fn held_message(
+        gateway: &Arc<Gateway>,
+        id: &[u8],
+        wait: Duration,
+        age: Duration,
+    ) -> (Reply, mpsc::Receiver<Message>, SendCmd, Held) {
         let (out, replies) = mpsc::channel(4);
         let reply = Reply {
             gateway: Arc::clone(gateway),
@@ -650,10 +660,10 @@ mod tests {
             conversation: "dm:ana:bo".to_owned(),
             body: "hello".to_owned(),
             queue: true,
-            age: Duration::ZERO,
+            age,
         };
         let held = Held {
-            ticket: gateway.admission.hold("ana", id, wait),
+            ticket: gateway.admission.hold("ana", id, wait, age),
             wait,
             promoted: false,
             new: false,
@@ -719,6 +729,50 @@ mod tests {
         // reached) long before its appointment.
         let answered = tokio::time::timeout(Duration::from_secs(10), replies.recv()).await;
         assert!(matches!(answered, Ok(Some(_))), "answered within 10 s");
+        drop(taken);
+    }
+
+    /// A new message held behind the backlog just before the gateway saw
+    /// the surge end goes ahead of it once it does, and takes its
+    /// conversation's held sends with it, in their order: both are
+    /// answered long before their appointments, the earlier first.
+    #[tokio::test]
+    async fn a_new_message_held_before_the_drain_was_seen_goes_ahead_with_its_conversation() {
+        let (gateway, taken) = full_gateway(crate::limits::Limits::default());
+        let wait = Duration::from_secs(30);
+        let (reply, mut first_replies, first, first_held) =
+            held_message(&gateway, b"m-1", wait, Duration::from_secs(10));
+        let surge_seen = std::time::Instant::now();
+        let (reply2, mut second_replies, second, second_held) =
+            held_message(&gateway, b"m-2", wait, Duration::ZERO);
+        let mut order = SendOrder::default();
+        let first_turn = order.next(&first.conversation);
+        let second_turn = order.next(&second.conversation);
+        let promote = Arc::new(Notify::new());
+        for (reply, cmd, held, turn) in [
+            (reply, first, first_held, first_turn),
+            (reply2, second, second_held, second_turn),
+        ] {
+            tokio::spawn(serve_held_send(
+                reply,
+                cmd,
+                held,
+                turn,
+                Arc::clone(&promote),
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        gateway.admission.drain_began(surge_seen);
+        // Answered (the backends here are never reached) long before the
+        // appointments, the earlier send first.
+        let first = tokio::time::timeout(Duration::from_secs(10), first_replies.recv()).await;
+        assert!(matches!(first, Ok(Some(_))), "the old message, ahead");
+        assert!(
+            second_replies.try_recv().is_err(),
+            "not answered before the send before it"
+        );
+        let second = tokio::time::timeout(Duration::from_secs(10), second_replies.recv()).await;
+        assert!(matches!(second, Ok(Some(_))), "the new message, ahead");
         drop(taken);
     }
 
