@@ -183,9 +183,13 @@ const AHEAD_RESERVE: usize = 64;
 
 /// A send going ahead of the backlog that finds even that reserve full is
 /// asked back after about this long (jittered by ±50%), not at the end of
-/// the appointments: the reserve frees as the sends in it are answered,
-/// in milliseconds each. (With the end's appointment, such a send waited
-/// for the whole backlog it was to go ahead of.)
+/// the appointments: the reserve frees as the sends in it are answered.
+/// (With the end's appointment, such a send waited for the whole backlog
+/// it was to go ahead of.) After a 3x surge on the pinned wiring the
+/// reserve stayed full for 1.5-2 s, and such a send back while every
+/// place was still taken was booked at the end after all, as a phone on
+/// time is (docs/overload.md, "Whose are the 20-40 s after a 3x surge";
+/// keeping it ahead, tried, slowed every new send of those seconds).
 const AHEAD_RETRY: Duration = Duration::from_millis(250);
 
 /// What holding `cmd` costs of the budget for held sends, in bytes of
