@@ -589,7 +589,9 @@ mod tests {
 
     /// The budget's last sixty-fourth is for sends going ahead of the
     /// backlog (new sends while it drains): a backlog that fills the rest
-    /// does not make them wait behind it.
+    /// does not make them wait behind it. Refused for the budget, a send
+    /// of the backlog keeps its appointment; one going ahead is asked back
+    /// in about 250 ms, not at the end of the appointments.
     #[tokio::test]
     async fn a_send_going_ahead_of_the_backlog_may_take_the_budgets_reserve() {
         let one = crate::held_bytes(&cmd(1)) as usize;
@@ -622,12 +624,22 @@ mod tests {
         );
         let refused = hold(64, false).err().expect("the rest is the reserve");
         assert_eq!(refused.kind(), imdedup_domain::ErrorKind::Overloaded);
+        assert_eq!(
+            refused.retry_after(),
+            Some(Duration::from_secs(1)),
+            "its appointment"
+        );
         let ahead = hold(65, true);
         assert!(
             matches!(ahead, Ok(AdmittedSend::Held(_))),
             "held in the reserve"
         );
-        assert!(hold(66, true).is_err(), "the budget is spent");
+        let spent = hold(66, true).err().expect("the budget is spent");
+        let soon = spent.retry_after().expect("asked back");
+        assert!(
+            (crate::AHEAD_RETRY / 2..=crate::AHEAD_RETRY * 3 / 2).contains(&soon),
+            "asked back in {soon:?}"
+        );
         assert_eq!(gateway.metrics().limited_count("held_bytes"), 2);
     }
 
