@@ -87,6 +87,9 @@ struct OverloadArgs {
     /// How long each surge lasts.
     #[arg(long, default_value = "20s", value_parser = humantime::parse_duration)]
     surge: Duration,
+    /// The load before and between the surges, as a share of the capacity.
+    #[arg(long, default_value_t = 0.5, value_parser = calm_share)]
+    calm: f64,
     /// Where the capacity search starts and ends.
     #[arg(long, default_value_t = 500.0)]
     min_rate: f64,
@@ -320,7 +323,7 @@ async fn run_overload(args: OverloadArgs) -> anyhow::Result<()> {
                 .ok_or_else(|| anyhow::anyhow!("no rate sustained p99 <= {:?}", args.p99))?
         }
     };
-    let schedule = imdedup_loadtest::overload::phases(capacity, args.surge);
+    let schedule = imdedup_loadtest::overload::phases(capacity, args.surge, args.calm);
     let mut config = load_config("steady", &args.common, Some(capacity))?;
     config.messages = imdedup_loadtest::overload::schedule_messages(&schedule);
     config.scenario = "overload".to_owned();
@@ -351,6 +354,19 @@ async fn run_overload(args: OverloadArgs) -> anyhow::Result<()> {
 
 /// Phones for `rate` messages a second at 25 each (a busy person's phone
 /// sends far less; a bot account, about this).
+/// `--calm`: a share of the capacity above 0 and below 1 (the load the
+/// service is to recover at must be one it can serve).
+fn calm_share(text: &str) -> Result<f64, String> {
+    let share: f64 = text.parse().map_err(|e| format!("not a number: {e}"))?;
+    if share > 0.0 && share < 1.0 {
+        Ok(share)
+    } else {
+        Err(format!(
+            "{share} is not a share of the capacity between 0 and 1"
+        ))
+    }
+}
+
 fn users_for(rate: f64) -> usize {
     ((rate / 25.0).ceil() as usize).max(2)
 }
