@@ -352,8 +352,6 @@ async fn run_overload(args: OverloadArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Phones for `rate` messages a second at 25 each (a busy person's phone
-/// sends far less; a bot account, about this).
 /// `--calm`: a share of the capacity above 0 and below 1 (the load the
 /// service is to recover at must be one it can serve).
 fn calm_share(text: &str) -> Result<f64, String> {
@@ -367,6 +365,8 @@ fn calm_share(text: &str) -> Result<f64, String> {
     }
 }
 
+/// Phones for `rate` messages a second at 25 each (a busy person's phone
+/// sends far less; a bot account, about this).
 fn users_for(rate: f64) -> usize {
     ((rate / 25.0).ceil() as usize).max(2)
 }
@@ -490,4 +490,22 @@ fn load_config(name: &str, args: &Common, rate: Option<f64>) -> anyhow::Result<L
         admin: args.admin.clone(),
         schedule: Vec::new(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--calm` takes a share of the capacity the service can recover at,
+    /// and says why it refuses anything else.
+    #[test]
+    fn calm_is_a_share_below_the_capacity() {
+        assert_eq!(calm_share("0.8"), Ok(0.8));
+        for bad in ["0", "1", "1.2", "-0.5", "NaN"] {
+            let error = calm_share(bad).expect_err(bad);
+            assert!(error.contains("between 0 and 1"), "{bad}: {error}");
+        }
+        let error = calm_share("half").expect_err("not a number");
+        assert!(error.starts_with("not a number"), "{error}");
+    }
 }
