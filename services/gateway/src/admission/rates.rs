@@ -291,14 +291,21 @@ mod tests {
         began
     }
 
-    #[test]
-    fn a_drain_is_not_undone_by_a_dip_only_by_a_surge() {
+    /// Two seconds of a surge, `arrived` new sends per 1,000 answers a
+    /// quarter second.
+    fn surged(arrived: u32) -> (Flow, Instant) {
         let mut now = Instant::now();
         let mut flow = Flow::new(now);
-        // A surge: three times as many new sends as answers.
         for _ in 0..8 {
-            flow_window(&mut flow, &mut now, 3_000, 1_000);
+            flow_window(&mut flow, &mut now, arrived, 1_000);
         }
+        (flow, now)
+    }
+
+    #[test]
+    fn a_drain_is_not_undone_by_a_dip_only_by_a_surge() {
+        // A surge: three times as many new sends as answers.
+        let (mut flow, mut now) = surged(3_000);
         assert!(!flow.draining());
         // Between the shares, no drain begins.
         for _ in 0..8 {
@@ -330,11 +337,7 @@ mod tests {
     /// new messages waited 10-15 s after 1.5x and 20-29 s after 3x.)
     #[test]
     fn a_load_just_below_the_answers_after_a_surge_is_a_drain() {
-        let mut now = Instant::now();
-        let mut flow = Flow::new(now);
-        for _ in 0..8 {
-            flow_window(&mut flow, &mut now, 1_500, 1_000);
-        }
+        let (mut flow, mut now) = surged(1_500);
         assert!(!flow.draining());
         for _ in 0..3 {
             flow_window(&mut flow, &mut now, 850, 1_000);
@@ -348,11 +351,7 @@ mod tests {
     /// end. When it is seen, the flow says where the surge was last seen.
     #[test]
     fn the_end_of_a_surge_is_seen_within_two_quiet_windows() {
-        let mut now = Instant::now();
-        let mut flow = Flow::new(now);
-        for _ in 0..8 {
-            flow_window(&mut flow, &mut now, 1_500, 1_000);
-        }
+        let (mut flow, mut now) = surged(1_500);
         flow_window(&mut flow, &mut now, 400, 1_000);
         flow_window(&mut flow, &mut now, 1_500, 1_000);
         assert!(!flow.draining(), "a burst's gap is not the end");
