@@ -7,6 +7,7 @@ mod certs;
 mod demo;
 mod dev;
 mod limits;
+mod memory;
 mod services;
 mod shutdown;
 mod tls;
@@ -96,6 +97,7 @@ impl Command {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    let huge_pages_off = memory::no_huge_pages(std::env::var_os(memory::ALLOW_THP_VAR));
     let cli = Cli::parse();
     if cli.check_config {
         cli.command.check()?;
@@ -106,6 +108,9 @@ async fn main() -> anyhow::Result<()> {
         Some((service, filter)) => Some(telemetry::init(service, filter)?),
         None => None,
     };
+    if let Err(e) = huge_pages_off {
+        tracing::warn!(error = %e, "cannot turn transparent huge pages off; memory grows slower under load with them off");
+    }
     let result = match cli.command {
         Command::Demo(args) => demo::run(args).await,
         Command::Dev(args) => dev::run(args).await,
