@@ -109,7 +109,7 @@ async fn main() -> anyhow::Result<()> {
         None => None,
     };
     if let Err(e) = huge_pages_off {
-        tracing::warn!(error = %e, "cannot turn transparent huge pages off; memory grows slower under load with them off");
+        tracing::warn!(error = %e, "cannot turn transparent huge pages off; heap growth under load costs more CPU with them");
     }
     let result = match cli.command {
         Command::Demo(args) => demo::run(args).await,

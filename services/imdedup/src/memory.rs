@@ -9,11 +9,11 @@
 //! these figures come from) that cost ~10 ms of CPU per MB against ~0.4 ms
 //! for 4 KiB pages, and the kernel's zeroing was 15% of the gateway's CPU in
 //! a 1.5x surge and whole stalled seconds in a 3x one (docs/overload.md,
-//! "Transparent huge pages off"). Redis, MongoDB and Cassandra advise
-//! turning them off for the same reason: latency spikes at first touch and
-//! compaction, for little gain on heaps of small objects.
+//! "Huge pages off"). Redis, MongoDB and Cassandra advise turning them off
+//! for the same reason: latency spikes at first touch and compaction, for
+//! little gain on heaps of small objects.
 
-use std::ffi::OsString;
+use std::{ffi::OsString, io};
 
 /// mimalloc's own switch: set, it decides, and the process keeps what the
 /// system and mimalloc do (`MIMALLOC_ALLOW_THP=1` keeps huge pages).
@@ -22,16 +22,26 @@ pub const ALLOW_THP_VAR: &str = "MIMALLOC_ALLOW_THP";
 /// Turn transparent huge pages off for this process
 /// (`prctl(PR_SET_THP_DISABLE)`, inherited by its threads and children),
 /// unless `allow_thp` (the value of [`ALLOW_THP_VAR`]) is set. `Ok(true)`
-/// if turned off here.
-pub fn no_huge_pages(allow_thp: Option<OsString>) -> nix::Result<bool> {
+/// if turned off here; elsewhere than Linux, nothing to do.
+pub fn no_huge_pages(allow_thp: Option<OsString>) -> io::Result<bool> {
     if allow_thp.is_some() {
         return Ok(false);
     }
+    disable_thp()
+}
+
+#[cfg(target_os = "linux")]
+fn disable_thp() -> io::Result<bool> {
     nix::sys::prctl::set_thp_disable(true)?;
     Ok(true)
 }
 
-#[cfg(test)]
+#[cfg(not(target_os = "linux"))]
+fn disable_thp() -> io::Result<bool> {
+    Ok(false)
+}
+
+#[cfg(all(test, target_os = "linux"))]
 mod tests {
     use super::*;
 
