@@ -291,14 +291,25 @@ mod tests {
         began
     }
 
+    /// `windows` quarter seconds alike of [`flow_window`].
+    fn flow_windows(
+        flow: &mut Flow,
+        now: &mut Instant,
+        windows: usize,
+        arrived: u32,
+        answered: u32,
+    ) {
+        for _ in 0..windows {
+            flow_window(flow, now, arrived, answered);
+        }
+    }
+
     /// Two seconds of a surge, `arrived` new sends per 1,000 answers a
     /// quarter second.
     fn surged(arrived: u32) -> (Flow, Instant) {
         let mut now = Instant::now();
         let mut flow = Flow::new(now);
-        for _ in 0..8 {
-            flow_window(&mut flow, &mut now, arrived, 1_000);
-        }
+        flow_windows(&mut flow, &mut now, 8, arrived, 1_000);
         (flow, now)
     }
 
@@ -308,25 +319,17 @@ mod tests {
         let (mut flow, mut now) = surged(3_000);
         assert!(!flow.draining());
         // Between the shares, no drain begins.
-        for _ in 0..8 {
-            flow_window(&mut flow, &mut now, 950, 1_000);
-        }
+        flow_windows(&mut flow, &mut now, 8, 950, 1_000);
         assert!(!flow.draining());
         // The surge is over: half as many new sends as answers.
-        for _ in 0..8 {
-            flow_window(&mut flow, &mut now, 500, 1_000);
-        }
+        flow_windows(&mut flow, &mut now, 8, 500, 1_000);
         assert!(flow.draining());
         // The answers dip for a second (the same new sends at 0.8 of
         // them): still draining, new sends keep going first.
-        for _ in 0..4 {
-            flow_window(&mut flow, &mut now, 500, 625);
-        }
+        flow_windows(&mut flow, &mut now, 4, 500, 625);
         assert!(flow.draining());
         // More new sends than answers: a surge again.
-        for _ in 0..4 {
-            flow_window(&mut flow, &mut now, 1_500, 1_000);
-        }
+        flow_windows(&mut flow, &mut now, 4, 1_500, 1_000);
         assert!(!flow.draining());
     }
 
@@ -339,9 +342,7 @@ mod tests {
     fn a_load_just_below_the_answers_after_a_surge_is_a_drain() {
         let (mut flow, mut now) = surged(1_500);
         assert!(!flow.draining());
-        for _ in 0..3 {
-            flow_window(&mut flow, &mut now, 850, 1_000);
-        }
+        flow_windows(&mut flow, &mut now, 3, 850, 1_000);
         assert!(flow.draining(), "seen within three quarter seconds");
     }
 
