@@ -51,19 +51,6 @@ CREATE TABLE IF NOT EXISTS messages (
 );
 ";
 
-/// WAL pages after which a commit copies them into the database file
-/// (SQLite's default is 1,000). Each new message dirties about two pages
-/// (its leaves of the two unique keys), mostly the same few hundred pages
-/// over and over; a checkpoint reads the newest copy of each page from the
-/// WAL and writes it once, so checkpointing ten times less often copies
-/// each hot page ten times less often. Measured (`perf trace -s` on
-/// storage at 3,000 msgs/s): `pread64` 0.86 → 0.23 and `pwrite64` 5.1 →
-/// 4.2 per message; storage's CPU per message lower in eight of nine
-/// alternating runs at 1,000-6,000 msgs/s, by about a tenth at 1,000/s
-/// (docs/performance.md). The WAL grows to ~40 MB between
-/// checkpoints, and a restart replays at most that.
-const WAL_AUTOCHECKPOINT_PAGES: u32 = 10_000;
-
 const COLUMNS: &str = "sender, client_msg_id, conversation, body, server_id, seq, stored_at_ms";
 
 /// Settings of the embedded store.
@@ -183,11 +170,8 @@ fn open_connection(path: &Path, read_only: bool) -> Result<Connection, Error> {
     if !read_only {
         // WAL lets readers run beside the writer; FULL makes every commit
         // durable before the ACK goes out.
-        conn.execute_batch(&format!(
-            "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL; \
-             PRAGMA wal_autocheckpoint={WAL_AUTOCHECKPOINT_PAGES};"
-        ))
-        .map_err(sql_error)?;
+        conn.execute_batch("PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;")
+            .map_err(sql_error)?;
     }
     Ok(conn)
 }
