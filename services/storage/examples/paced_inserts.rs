@@ -27,11 +27,21 @@ use tokio::task::JoinSet;
 
 const USERS: u32 = 200;
 
+/// Past this the pace's period rounds to nothing.
+const MAX_RATE: u32 = 1_000_000;
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
     let rate = argument(args.next(), "RATE", 3_000)?;
     let seconds = argument(args.next(), "SECONDS", 10)?;
+    let count = rate
+        .checked_mul(seconds)
+        .filter(|_| rate <= MAX_RATE)
+        .ok_or(format!(
+            "at most {MAX_RATE} inserts a second and {} in all",
+            u32::MAX
+        ))?;
 
     let dir = tempfile::tempdir()?;
     let mut options = SqliteOptions::new(dir.path().join("messages.db"));
@@ -43,7 +53,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut inserts = JoinSet::new();
     let mut latencies = Vec::new();
     let (cpu_before, started) = (process_cpu()?, Instant::now());
-    for i in 0..rate * seconds {
+    for i in 0..count {
         pace.tick().await;
         let message = message(i, body.clone())?;
         let store = Arc::clone(&store);
