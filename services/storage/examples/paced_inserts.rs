@@ -21,6 +21,7 @@ use imdedup_domain::{
     model::{Body, ClientMsgId, ConversationId, MessageKey, NewMessage, Sender},
     store::{Insert, MessageStore},
 };
+use imdedup_runtime::process::ProcessStats;
 use imdedup_storage::{SqliteOptions, SqliteStore};
 use rand::Rng;
 use tokio::task::JoinSet;
@@ -127,18 +128,9 @@ fn stored(
     }
 }
 
-/// CPU time of this process so far (user and system, every thread).
-fn process_cpu() -> Result<Duration, Box<dyn std::error::Error>> {
-    let stat = std::fs::read_to_string("/proc/self/stat")?;
-    // The fields after the command's closing parenthesis; utime and stime
-    // are the 12th and 13th of them, in clock ticks (100 a second here).
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .ok_or("unreadable /proc/self/stat")?
-        .1
-        .split_whitespace()
-        .collect();
-    let ticks: u64 = fields.get(11).ok_or("no utime")?.parse::<u64>()?
-        + fields.get(12).ok_or("no stime")?.parse::<u64>()?;
-    Ok(Duration::from_millis(ticks * 10))
+/// CPU time of this process so far (user and system, every thread), as
+/// its `process_cpu_seconds_total` metric reads it.
+fn process_cpu() -> Result<Duration, &'static str> {
+    let stats = ProcessStats::read().ok_or("no /proc/self/stat to read the CPU time from")?;
+    Ok(Duration::from_secs_f64(stats.cpu_seconds))
 }
