@@ -25,6 +25,9 @@ if ! command -v cargo-machete >/dev/null 2>&1; then
   cargo install --locked -q cargo-machete@0.9.2
 fi
 cargo machete
+# Every relative link in the Markdown resolves, to a file and a heading
+# (a section moved or renamed leaves none behind).
+python3 tests/docs/links.py
 
 # Build first, so the services do not sit idle through a cold compile.
 cargo test --workspace --locked --features imdedup/testing,imdedup-integration-tests/testing --no-run

@@ -188,7 +188,7 @@ const AHEAD_RESERVE: usize = 64;
 /// it was to go ahead of.) After a 3x surge on the pinned wiring the
 /// reserve stayed full for 1.5-2 s, and such a send back while every
 /// place was still taken was booked at the end after all, as a phone on
-/// time is (docs/overload.md, "Whose are the 20-40 s after a 3x surge";
+/// time is (docs/overload-log.md, "Whose are the 20-40 s after a 3x surge";
 /// keeping it ahead, tried, slowed every new send of those seconds).
 const AHEAD_RETRY: Duration = Duration::from_millis(250);
 

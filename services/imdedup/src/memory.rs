@@ -8,7 +8,7 @@
 //! takes free memory back (free page reporting, as on the Firecracker VMs
 //! these figures come from) that cost ~10 ms of CPU per MB against ~0.4 ms
 //! for 4 KiB pages, and the kernel's zeroing was 15% of the gateway's CPU in
-//! a 1.5x surge and whole stalled seconds in a 3x one (docs/overload.md,
+//! a 1.5x surge and whole stalled seconds in a 3x one (docs/overload-log.md,
 //! "Huge pages off"). Redis, MongoDB and Cassandra advise turning them off
 //! for the same reason: latency spikes at first touch and compaction, for
 //! little gain on heaps of small objects.
