@@ -45,6 +45,8 @@ pub struct GatewayMetrics {
     admission_limit: Gauge,
     appointments: Gauge,
     backlog_places: Gauge,
+    held_sends: Gauge,
+    draining: Gauge,
     held_bytes: Gauge,
 }
 
@@ -78,6 +80,8 @@ impl Default for GatewayMetrics {
             admission_limit: Gauge::default(),
             appointments: Gauge::default(),
             backlog_places: Gauge::default(),
+            held_sends: Gauge::default(),
+            draining: Gauge::default(),
             held_bytes: Gauge::default(),
         }
     }
@@ -156,6 +160,16 @@ impl GatewayMetrics {
             m.backlog_places.clone(),
         );
         registry.register(
+            "imdedup_gateway_held_sends",
+            "Sends held for their appointment now (the backlog, and those going ahead of it); sampled with the admission limit",
+            m.held_sends.clone(),
+        );
+        registry.register(
+            "imdedup_gateway_draining",
+            "1 while a backlog of held sends drains (new sends arrive slower than the gateway answers, and go first), 0 otherwise; sampled with the admission limit",
+            m.draining.clone(),
+        );
+        registry.register(
             "imdedup_gateway_held_bytes",
             "Memory counted for the sends held for their appointment, of the --max-held-bytes budget (each its content and ~1.6 KB); sampled with the admission limit",
             m.held_bytes.clone(),
@@ -197,13 +211,15 @@ impl GatewayMetrics {
         self.resends_joined.get()
     }
 
-    /// The admission limit, the appointments open now and the places the
-    /// held sends may take.
+    /// The admission limit, the appointments open now, the places the
+    /// held sends may take, the sends held and whether they drain.
     pub fn set_admission(&self, gauges: AdmissionGauges) {
         let gauge = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
         self.admission_limit.set(gauge(gauges.limit));
         self.appointments.set(gauge(gauges.booked));
         self.backlog_places.set(gauge(gauges.backlog_places));
+        self.held_sends.set(gauge(gauges.held));
+        self.draining.set(i64::from(gauges.draining));
     }
 
     /// The bytes of the budget for held sends in use.
@@ -319,6 +335,8 @@ mod tests {
             limit: 400,
             booked: 7,
             backlog_places: 50,
+            held: 12,
+            draining: true,
         });
         gateway.set_held_bytes(3_370);
 
@@ -348,6 +366,8 @@ mod tests {
                 ("imdedup_gateway_admission_limit", &[], 400.0),
                 ("imdedup_gateway_appointments", &[], 7.0),
                 ("imdedup_gateway_backlog_places", &[], 50.0),
+                ("imdedup_gateway_held_sends", &[], 12.0),
+                ("imdedup_gateway_draining", &[], 1.0),
                 ("imdedup_gateway_held_bytes", &[], 3_370.0),
                 (
                     "imdedup_gateway_shard_window",

@@ -226,6 +226,10 @@ pub struct AdmissionGauges {
     pub limit: usize,
     pub booked: usize,
     pub backlog_places: usize,
+    /// Sends held now, in every queue.
+    pub held: usize,
+    /// Whether the backlog drains ([`Admission::draining`]).
+    pub draining: bool,
 }
 
 /// How an admitted send ended, for the limit.
@@ -494,15 +498,18 @@ impl Admission {
         self.lock().in_flight
     }
 
-    /// The limit, the appointments open and the sends in flight below
-    /// which held sends may take a place at their appointment (see
-    /// [`drain::DrainCap`]), read at once, for the gauges.
+    /// The limit, the appointments open, the sends in flight below which
+    /// held sends may take a place at their appointment (see
+    /// [`drain::DrainCap`]), the sends held and whether the backlog
+    /// drains, read at once, for the gauges.
     pub fn gauges(&self) -> AdmissionGauges {
         let state = self.lock();
         AdmissionGauges {
             limit: state.aimd.limit(),
             booked: state.book.len(),
             backlog_places: state.backlog_room(Instant::now()),
+            held: state.held(),
+            draining: state.draining(),
         }
     }
 
@@ -589,6 +596,12 @@ mod tests {
             .collect();
         let mut a = hold(&admission, b"a");
         let mut b = hold(&admission, b"b");
+        let gauges = admission.gauges();
+        assert_eq!(
+            (gauges.held, gauges.draining),
+            (2, false),
+            "held in a surge"
+        );
         // A held send whose connection closes gives up its turn.
         drop(hold(&admission, b"gone"));
         let mut c = hold(&admission, b"c");
@@ -635,6 +648,7 @@ mod tests {
         assert_eq!(admission.lock().in_flight, 0);
         assert_eq!(admission.lock().new_in_flight, 0);
         assert_eq!(admission.booked(), 0, "every appointment used or dropped");
+        assert_eq!(admission.gauges().held, 0);
     }
 
     /// A new send held ahead of the backlog takes a new send's place: the
