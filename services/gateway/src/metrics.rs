@@ -161,7 +161,7 @@ impl GatewayMetrics {
         );
         registry.register(
             "imdedup_gateway_held_sends",
-            "Sends held for their appointment now (the backlog, and those going ahead of it); sampled with the admission limit",
+            "Sends held now, waiting for a place (for their appointment, or going ahead of a draining backlog); sampled with the admission limit",
             m.held_sends.clone(),
         );
         registry.register(

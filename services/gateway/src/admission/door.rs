@@ -328,11 +328,6 @@ impl State {
         }
     }
 
-    /// Sends held now, in every queue.
-    pub(super) fn held(&self) -> usize {
-        self.queues.len()
-    }
-
     /// Whether a backlog is held while new sends arrive slower than the
     /// gateway answers: the surge is over.
     pub(super) fn draining(&self) -> bool {

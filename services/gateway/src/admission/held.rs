@@ -73,10 +73,6 @@ impl Queues {
         self.backlog.is_empty() && self.ahead.is_empty() && self.urgent.is_empty()
     }
 
-    pub(super) fn len(&self) -> usize {
-        self.backlog.len() + self.ahead.len() + self.urgent.len()
-    }
-
     pub(super) fn queue(&mut self, lane: Lane) -> &mut VecDeque<Waiter> {
         match lane {
             Lane::Backlog => &mut self.backlog,

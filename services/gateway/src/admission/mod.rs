@@ -82,7 +82,10 @@
 
 use std::{
     hash::{BuildHasher, Hash, Hasher, RandomState},
-    sync::{Arc, Mutex, PoisonError},
+    sync::{
+        Arc, Mutex, PoisonError,
+        atomic::{AtomicUsize, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -226,7 +229,7 @@ pub struct AdmissionGauges {
     pub limit: usize,
     pub booked: usize,
     pub backlog_places: usize,
-    /// Sends held now, in every queue.
+    /// Held sends waiting for a place now.
     pub held: usize,
     /// Whether the backlog drains ([`Admission::draining`]).
     pub draining: bool,
@@ -262,6 +265,8 @@ impl Completion {
 /// The gateway's admission: see the module's comment.
 pub struct Admission {
     state: Mutex<State>,
+    /// Held sends waiting for a place ([`Ticket`]s not called yet).
+    waiting: Arc<AtomicUsize>,
     options: AdmissionOptions,
     keys: RandomState,
 }
@@ -273,6 +278,25 @@ pub struct Ticket {
     call: oneshot::Receiver<Call>,
     /// [`Call::Ahead`] came while asking whether the place had.
     ahead: bool,
+    /// Counted among the sends waiting for a place until its call came
+    /// (or the ticket is dropped).
+    waiting: Option<Waiting>,
+}
+
+/// One send counted in [`Admission::waiting`] while it lives.
+struct Waiting(Arc<AtomicUsize>);
+
+impl Waiting {
+    fn new(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        Self(Arc::clone(count))
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// What a held send's [`Ticket`] receives.
@@ -290,8 +314,12 @@ impl Ticket {
     /// The place, if it came already.
     pub fn ready(&mut self) -> Option<Pass> {
         match self.call.try_recv() {
-            Ok(Call::Place(pass)) => Some(pass),
+            Ok(Call::Place(pass)) => {
+                self.waiting = None;
+                Some(pass)
+            }
             Ok(Call::Ahead) => {
+                self.waiting = None;
                 self.ahead = true;
                 None
             }
@@ -305,7 +333,9 @@ impl Ticket {
         if std::mem::take(&mut self.ahead) {
             return Some(Call::Ahead);
         }
-        (&mut self.call).await.ok()
+        let call = (&mut self.call).await.ok();
+        self.waiting = None;
+        call
     }
 }
 /// A place taken by an admitted send; given back when dropped. A pass
@@ -351,6 +381,7 @@ impl Admission {
         let now = Instant::now();
         Arc::new(Self {
             state: Mutex::new(State::new(options, now)),
+            waiting: Arc::default(),
             options,
             keys: RandomState::new(),
         })
@@ -459,7 +490,11 @@ impl Admission {
         };
         self.lock().hold(waiter, lane);
         self.dispatch();
-        Ticket { call, ahead: false }
+        Ticket {
+            call,
+            ahead: false,
+            waiting: Some(Waiting::new(&self.waiting)),
+        }
     }
 
     /// Whether the backlog is draining: a backlog is held and new sends
@@ -508,7 +543,7 @@ impl Admission {
             limit: state.aimd.limit(),
             booked: state.book.len(),
             backlog_places: state.backlog_room(Instant::now()),
-            held: state.held(),
+            held: self.waiting.load(Ordering::Relaxed),
             draining: state.draining(),
         }
     }
