@@ -641,6 +641,8 @@ mod tests {
         drop(hold(&admission, b"gone"));
         let mut c = hold(&admission, b"c");
         assert_eq!(admission.booked(), 4);
+        // Four in the queue, three waiting: the gauge counts the living.
+        assert_eq!(admission.gauges().held, 3);
         // A place given back while the gateway stays busy goes to a new
         // send, not to a held send before its appointment.
         first.pop();
