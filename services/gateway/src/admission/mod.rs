@@ -197,6 +197,7 @@ impl Newness {
 /// A send held this many horizons is given up (refused): its phone has
 /// resent it or given up long ago.
 const STALE_AFTER: f64 = 1.5;
+
 /// Why a send was not taken in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refusal {
