@@ -82,14 +82,13 @@
 
 use std::{
     hash::{BuildHasher, Hash, Hasher, RandomState},
-    sync::{
-        Arc, Mutex, PoisonError,
-        atomic::{AtomicUsize, Ordering},
-    },
+    sync::{Arc, Mutex, PoisonError},
     time::{Duration, Instant},
 };
 
 use imdedup_domain::{Error, ErrorKind, model::Ack};
+use imdedup_runtime::metrics::GaugeGuard;
+use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::oneshot;
 
 mod door;
@@ -267,7 +266,7 @@ impl Completion {
 pub struct Admission {
     state: Mutex<State>,
     /// Held sends waiting for a place ([`Ticket`]s not called yet).
-    waiting: Arc<AtomicUsize>,
+    waiting: Gauge,
     options: AdmissionOptions,
     keys: RandomState,
 }
@@ -281,23 +280,7 @@ pub struct Ticket {
     ahead: bool,
     /// Counted among the sends waiting for a place until its call came
     /// (or the ticket is dropped).
-    waiting: Option<Waiting>,
-}
-
-/// One send counted in [`Admission::waiting`] while it lives.
-struct Waiting(Arc<AtomicUsize>);
-
-impl Waiting {
-    fn new(count: &Arc<AtomicUsize>) -> Self {
-        count.fetch_add(1, Ordering::Relaxed);
-        Self(Arc::clone(count))
-    }
-}
-
-impl Drop for Waiting {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
+    waiting: Option<GaugeGuard>,
 }
 
 /// What a held send's [`Ticket`] receives.
@@ -382,7 +365,7 @@ impl Admission {
         let now = Instant::now();
         Arc::new(Self {
             state: Mutex::new(State::new(options, now)),
-            waiting: Arc::default(),
+            waiting: Gauge::default(),
             options,
             keys: RandomState::new(),
         })
@@ -494,7 +477,7 @@ impl Admission {
         Ticket {
             call,
             ahead: false,
-            waiting: Some(Waiting::new(&self.waiting)),
+            waiting: Some(GaugeGuard::up(&self.waiting)),
         }
     }
 
@@ -544,7 +527,7 @@ impl Admission {
             limit: state.aimd.limit(),
             booked: state.book.len(),
             backlog_places: state.backlog_room(Instant::now()),
-            held: self.waiting.load(Ordering::Relaxed),
+            held: usize::try_from(self.waiting.get()).unwrap_or(0),
             draining: state.draining(),
         }
     }
