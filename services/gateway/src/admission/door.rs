@@ -352,19 +352,9 @@ mod tests {
     use tokio::sync::oneshot;
 
     use super::{
-        super::{Admission, Pass, rates::PACE_WINDOW},
+        super::{Admission, Pass, rates::PACE_WINDOW, tests::options},
         *,
     };
-
-    fn options(max: usize) -> AdmissionOptions {
-        AdmissionOptions {
-            initial: max,
-            min: 1,
-            max,
-            target: Duration::from_millis(250),
-            horizon: Duration::from_secs(20),
-        }
-    }
 
     struct Door {
         state: State,
@@ -379,6 +369,17 @@ mod tests {
                 options,
                 rng: StdRng::seed_from_u64(1),
             }
+        }
+
+        /// A door with `limit` places, every one taken by a new send, that
+        /// serves `rate` sends a second when full.
+        fn full(limit: usize, rate: f64, now: Instant) -> Self {
+            let mut door = Self::new(options(limit), now);
+            door.state.pace.rate = Some(rate);
+            for key in 0..limit as u64 {
+                door.admit(key, now).unwrap();
+            }
+            door
         }
 
         /// A send of a message as new as `newness`.
@@ -889,12 +890,8 @@ mod tests {
     #[test]
     fn refused_sends_get_appointments_spaced_by_what_the_gateway_serves() {
         let now = Instant::now();
-        let mut door = Door::new(options(10), now);
         // It serves 100 sends a second: one per 10 ms.
-        door.state.pace.rate = Some(100.0);
-        for key in 0..10 {
-            door.admit(key, now).unwrap();
-        }
+        let mut door = Door::full(10, 100.0, now);
         let waits: Vec<Duration> = (10..20).map(|key| wait(door.admit(key, now))).collect();
         for (n, w) in waits.iter().enumerate() {
             let expected = 0.01 * (n + 1) as f64;
@@ -909,11 +906,7 @@ mod tests {
     #[test]
     fn a_free_place_goes_to_whoever_comes_and_an_appointment_goes_in_above_the_limit() {
         let now = Instant::now();
-        let mut door = Door::new(options(4), now);
-        door.state.pace.rate = Some(100.0);
-        for key in 0..4 {
-            door.admit(key, now).unwrap();
-        }
+        let mut door = Door::full(4, 100.0, now);
         let back = now + wait(door.admit(100, now));
         // A place frees up before the appointment: a new send takes it
         // rather than leaving it idle.
@@ -934,10 +927,7 @@ mod tests {
     #[test]
     fn a_phone_on_time_while_far_over_the_limit_gets_a_new_appointment_at_the_end() {
         let now = Instant::now();
-        let mut door = Door::new(options(2), now);
-        door.state.pace.rate = Some(20.0);
-        door.admit(0, now).unwrap();
-        door.admit(1, now).unwrap();
+        let mut door = Door::full(2, 20.0, now);
         let back = now + wait(door.admit(2, now));
         for key in 3..10 {
             let _ = door.admit(key, now);
@@ -953,10 +943,8 @@ mod tests {
     #[test]
     fn appointments_end_at_the_horizon_and_are_shed_beyond_it() {
         let now = Instant::now();
-        let mut door = Door::new(options(1), now);
         // Ten sends a second: 200 appointments fit in 20 s.
-        door.state.pace.rate = Some(10.0);
-        door.admit(0, now).unwrap();
+        let mut door = Door::full(1, 10.0, now);
         for key in 1..=200 {
             assert!(wait(door.admit(key, now)) <= Duration::from_secs(20));
         }

@@ -586,7 +586,9 @@ impl Admission {
 mod tests {
     use super::*;
 
-    fn options(max: usize) -> AdmissionOptions {
+    /// Options with a fixed limit of `max`, for the tests of this module
+    /// and of the door's rules.
+    pub(super) fn options(max: usize) -> AdmissionOptions {
         AdmissionOptions {
             initial: max,
             min: 1,
