@@ -57,15 +57,6 @@ pub enum ClientError {
 /// ([`Client::with_throttle`]): nothing was written to the gateway.
 pub const HELD_BACK: &str = "held_back";
 
-/// A message its phone has had this long (`age_ms`) is old: the gateway
-/// serves it with the backlog of a surge, not ahead of it (the protocol's
-/// `age_ms`), and the throttle neither holds it back nor counts its
-/// refusal. Its refusal is an appointment for a message the gateway has
-/// seen before, not a sign that it refuses what is new; counted, the
-/// refusals of the ~150 old messages a driver phone carried after a 3x
-/// surge kept its throttle holding back its new ones.
-pub const FRESH_FOR: Duration = Duration::from_secs(5);
-
 /// How long [`Client::send`] and [`Client::history`] wait for a reply.
 pub const DEFAULT_REPLY_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -136,13 +127,6 @@ pub enum Reply {
 
 type Waiter = oneshot::Sender<Reply>;
 
-/// A send waiting for its reply, and whether its message was fresh
-/// ([`FRESH_FOR`]): only a fresh send's refusal counts for the throttle.
-struct SendWaiter {
-    reply: Waiter,
-    fresh: bool,
-}
-
 /// A send's answer: known at once (held back), or to come.
 enum Answer {
     Now(ErrorReply),
@@ -151,7 +135,7 @@ enum Answer {
 
 #[derive(Default)]
 struct Pending {
-    sends: HashMap<Vec<u8>, VecDeque<SendWaiter>>,
+    sends: HashMap<Vec<u8>, VecDeque<Waiter>>,
     pulls: HashMap<String, Waiter>,
     /// Set by the reader when the connection is gone: a waiter added after
     /// that would never be woken and would sit out the whole reply timeout.
@@ -314,7 +298,7 @@ impl Client {
     /// Hold back some new sends while the gateway refuses much of what this
     /// connection sends (`overloaded`): adaptive throttling with factor `k`
     /// (2 is the usual value; 0 turns it off), see the `throttle` module.
-    /// Only fresh messages ([`FRESH_FOR`]) are held back and counted. A send held back is answered at once, without a frame, with the
+    /// A send held back is answered at once, without a frame, with the
     /// retryable error [`HELD_BACK`] and a `retry_after` about as long as
     /// the gateway's last `overloaded` answer asked for.
     pub fn with_throttle(self, k: f64) -> Self {
@@ -410,8 +394,7 @@ impl Client {
         age: Duration,
     ) -> Result<(u64, Answer), ClientError> {
         let age_ms = u64::try_from(age.as_millis()).unwrap_or(u64::MAX);
-        let fresh = age < FRESH_FOR;
-        if fresh && let Some(held) = self.hold_back(id) {
+        if let Some(held) = self.hold_back(id) {
             return Ok((0, Answer::Now(held)));
         }
         let frame = match self.encoding {
@@ -440,11 +423,7 @@ impl Client {
             if pending.gone {
                 return Err(ClientError::Closed);
             }
-            pending
-                .sends
-                .entry(id.to_vec())
-                .or_default()
-                .push_back(SendWaiter { reply: tx, fresh });
+            pending.sends.entry(id.to_vec()).or_default().push_back(tx);
         }
         let slot = self.out.reserve().await.map_err(|_| ClientError::Closed)?;
         let mut sent = self
@@ -616,7 +595,6 @@ impl Client {
 
 fn dispatch(pending: &Mutex<Pending>, reply: Reply) -> Option<Reply> {
     let mut pending = pending.lock().unwrap_or_else(|p| p.into_inner());
-    let pending = &mut *pending;
     let waiter = match &reply {
         // The answer comes later; its waiter keeps waiting.
         Reply::Queued { .. } => {
@@ -629,19 +607,14 @@ fn dispatch(pending: &Mutex<Pending>, reply: Reply) -> Option<Reply> {
             retry_after,
             ..
         }) if code == "overloaded" => {
-            let waiter = pending.sends.get_mut(id).and_then(VecDeque::pop_front);
-            if let Some(throttle) = pending.throttle.as_mut()
-                && waiter.as_ref().is_some_and(|w| w.fresh)
-            {
+            if let Some(throttle) = pending.throttle.as_mut() {
                 throttle.refused(Instant::now(), *retry_after);
             }
-            waiter.map(|w| w.reply)
+            pending.sends.get_mut(id).and_then(VecDeque::pop_front)
         }
-        Reply::Ack(AckReply { id, .. }) | Reply::Error(ErrorReply { id: Some(id), .. }) => pending
-            .sends
-            .get_mut(id)
-            .and_then(VecDeque::pop_front)
-            .map(|w| w.reply),
+        Reply::Ack(AckReply { id, .. }) | Reply::Error(ErrorReply { id: Some(id), .. }) => {
+            pending.sends.get_mut(id).and_then(VecDeque::pop_front)
+        }
         // Protobuf cannot tell an empty ID from none: such an error answers
         // a send with the empty ID, if one is waiting.
         Reply::Error(ErrorReply {
@@ -651,8 +624,7 @@ fn dispatch(pending: &Mutex<Pending>, reply: Reply) -> Option<Reply> {
         }) => pending
             .sends
             .get_mut(&Vec::new())
-            .and_then(VecDeque::pop_front)
-            .map(|w| w.reply),
+            .and_then(VecDeque::pop_front),
         Reply::Error(ErrorReply {
             reference: Some(r), ..
         })

@@ -29,14 +29,6 @@
 //! to wait (its `retry_after_ms`, at least [`MIN_WAIT`]): once that time has
 //! passed with no refusal since, every send goes, and the next refusal
 //! brings the counts, which still cover the last seconds, back into play.
-//!
-//! The throttle sees only fresh messages (younger than
-//! [`FRESH_FOR`](crate::FRESH_FOR)): an older one is never held back and its
-//! refusal is not counted. The gateway refuses an old message with an
-//! appointment in the backlog it drains after a surge, whatever it does
-//! with new ones; counted, those refusals kept the throttle holding back
-//! the new messages the gateway would have served at once. And holding an
-//! old message back only makes it miss its appointment.
 
 use std::time::{Duration, Instant};
 

@@ -148,9 +148,7 @@ impl AdmissionOptions {
 /// waits its turn. Five seconds: the phones' throttle holds a send back up
 /// to 1.5 s at a time, and a phone busy through a surge tries a message
 /// written after it a few seconds late; with two, such messages were taken
-/// for the surge's and waited behind it. The phones' client draws the same
-/// line (`imdedup_client::FRESH_FOR`, checked equal by a test): its throttle
-/// holds back and counts fresh messages only.
+/// for the surge's and waited behind it.
 pub const FRESH_FOR: Duration = Duration::from_secs(5);
 
 /// A message its phone has had for less than this is arriving now: it is
