@@ -64,6 +64,8 @@ pub struct LoadConfig {
     pub throttle: f64,
     /// Print a progress line every second.
     pub progress: bool,
+    /// Write each message's tries and answers here ([`crate::phone::Trace::events_line`]).
+    pub events: Option<std::path::PathBuf>,
     /// Follow every conversation with a cursor while the load runs (see
     /// [`crate::follow`]) and audit what the followers received.
     pub followers: bool,

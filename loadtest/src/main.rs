@@ -195,6 +195,12 @@ struct Common {
     /// Write a self-contained HTML report with plots here.
     #[arg(long)]
     html: Option<PathBuf>,
+    /// Write every message's tries and answers here, one tab-separated
+    /// line each (when it was due, its latency, tries, sends held back,
+    /// then each try: what came back and when); to read what a second's
+    /// messages waited for.
+    #[arg(long)]
+    events: Option<PathBuf>,
     /// No progress line.
     #[arg(long)]
     quiet: bool,
@@ -479,6 +485,7 @@ fn load_config(name: &str, args: &Common, rate: Option<f64>) -> anyhow::Result<L
             Duration::ZERO
         },
         progress: !args.quiet,
+        events: args.events.clone(),
         followers: !args.no_followers,
         encoding: if args.encoding == "protobuf" {
             Encoding::Protobuf

@@ -76,6 +76,77 @@ pub struct Trace {
     /// first, more after reconnects), its frame's number on it, and the seq
     /// it got.
     pub stored_by_frame: Option<(u64, u64, u64)>,
+    /// Every try and its answer, in order (`--events`).
+    pub events: Vec<Event>,
+}
+
+/// One step of a message's delivery: when, after the message was due.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event {
+    pub at: Duration,
+    pub kind: EventKind,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EventKind {
+    /// A try the network lost on the way up.
+    SendLost,
+    /// The phone's throttle held the send back, to try again after the wait.
+    HeldBack { retry_after: Option<Duration> },
+    /// An error frame, with the wait it asked for.
+    Refused {
+        code: String,
+        retry_after: Option<Duration>,
+    },
+    /// An ACK, received or lost on the way down.
+    Acked { lost: bool },
+    /// No connection, or it closed before the answer.
+    NoConnection,
+}
+
+impl Trace {
+    fn record(&mut self, due: Instant, kind: EventKind) {
+        self.events.push(Event {
+            at: due.elapsed(),
+            kind,
+        });
+    }
+
+    /// The message as one tab-separated line of `--events`: when it was
+    /// due and its latency (ms; `-` if the phone gave up), tries, sends
+    /// held back, then each step as a letter, the ms after due it
+    /// happened, and the wait asked for (`+ms`): `L` lost on the way up,
+    /// `H` held back, `R` an error (`:code`), `A` an ACK (`a` if lost on the
+    /// way down), `C` no connection.
+    pub fn events_line(&self) -> String {
+        use std::fmt::Write as _;
+        let ms = |d: Duration| d.as_millis();
+        let mut line = format!(
+            "{}\t{}\t{}\t{}\t",
+            ms(self.due_offset),
+            self.latency.map_or("-".to_owned(), |l| ms(l).to_string()),
+            self.tries,
+            self.held_back
+        );
+        for (i, event) in self.events.iter().enumerate() {
+            if i > 0 {
+                line.push(' ');
+            }
+            let at = ms(event.at);
+            let wait = |w: &Option<Duration>| w.map_or(String::new(), |w| format!("+{}", ms(w)));
+            let _ = match &event.kind {
+                EventKind::SendLost => write!(line, "L{at}"),
+                EventKind::HeldBack { retry_after } => write!(line, "H{at}{}", wait(retry_after)),
+                EventKind::Refused { code, retry_after } => {
+                    write!(line, "R{at}{}:{code}", wait(retry_after))
+                }
+                EventKind::Acked { lost: false } => write!(line, "A{at}"),
+                EventKind::Acked { lost: true } => write!(line, "a{at}"),
+                EventKind::NoConnection => write!(line, "C{at}"),
+            };
+        }
+        line
+    }
 }
 
 /// A message in the outbox.
@@ -166,6 +237,7 @@ pub async fn deliver(
     while let (Some(offset), Some(fate)) = (offsets.get(step), fates.get(step)) {
         wait_until(pushed_to.take().unwrap_or(due + *offset)).await;
         if fate.send_lost {
+            trace.record(due, EventKind::SendLost);
             trace.tries += 1;
             counts.tried();
             trace.sends_lost += 1;
@@ -196,10 +268,22 @@ pub async fn deliver(
         }
         match sent {
             Ok((_, _, Err(e))) if held_back => {
+                trace.record(
+                    due,
+                    EventKind::HeldBack {
+                        retry_after: e.retry_after,
+                    },
+                );
                 trace.held_back += 1;
                 pushed_to = e.retry_after.map(|wait| Instant::now() + wait);
             }
             Ok((connection, frame, Ok(ack))) => {
+                trace.record(
+                    due,
+                    EventKind::Acked {
+                        lost: fate.ack_lost,
+                    },
+                );
                 if ack.outcome == "stored" {
                     trace.stored_by_frame = Some((connection, frame, ack.seq));
                 }
@@ -213,6 +297,13 @@ pub async fn deliver(
                 }
             }
             Ok((_, _, Err(e))) => {
+                trace.record(
+                    due,
+                    EventKind::Refused {
+                        code: e.code.clone(),
+                        retry_after: e.retry_after,
+                    },
+                );
                 counts.was_refused();
                 let retryable = e.retryable;
                 trace.errors.push(e.code);
@@ -224,7 +315,10 @@ pub async fn deliver(
                     pushed_to = Some(Instant::now() + wait.max(MIN_PUSHBACK));
                 }
             }
-            Err(e) => trace.errors.push(format!("connection: {e}")),
+            Err(e) => {
+                trace.record(due, EventKind::NoConnection);
+                trace.errors.push(format!("connection: {e}"));
+            }
         }
         if pushed_to.is_none() {
             step += 1;
@@ -253,6 +347,46 @@ mod tests {
             .collect();
         assert_eq!(secs, [0.0, 1.0, 3.0, 7.0, 15.0]);
         assert_eq!(policy.give_up, Duration::from_secs(31));
+    }
+
+    #[test]
+    fn a_messages_events_line_says_each_try_its_answer_and_when() {
+        let ms = Duration::from_millis;
+        let event = |at, kind| Event { at: ms(at), kind };
+        let trace = Trace {
+            due_offset: ms(55_250),
+            latency: Some(ms(1_731)),
+            tries: 3,
+            held_back: 1,
+            events: vec![
+                event(
+                    0,
+                    EventKind::HeldBack {
+                        retry_after: Some(ms(700)),
+                    },
+                ),
+                event(
+                    702,
+                    EventKind::Refused {
+                        code: "overloaded".to_owned(),
+                        retry_after: Some(ms(250)),
+                    },
+                ),
+                event(960, EventKind::SendLost),
+                event(1_020, EventKind::Acked { lost: true }),
+                event(1_731, EventKind::Acked { lost: false }),
+            ],
+            ..Trace::default()
+        };
+        assert_eq!(
+            trace.events_line(),
+            "55250\t1731\t3\t1\tH0+700 R702+250:overloaded L960 a1020 A1731"
+        );
+        let gave_up = Trace {
+            events: vec![event(31_000, EventKind::NoConnection)],
+            ..Trace::default()
+        };
+        assert_eq!(gave_up.events_line(), "0\t-\t0\t0\tC31000");
     }
 
     #[test]

@@ -277,6 +277,9 @@ pub async fn run(config: LoadConfig) -> anyhow::Result<RunResult> {
     let mut traces = load.take_traces(storm_acks)?;
 
     let late_caught = load.resend_late(&clock, &mut traces).await?;
+    if let Some(path) = &config.events {
+        write_events(path, &traces)?;
+    }
     let delivered = followers.stop().await?;
 
     let seconds = recorded(&config, &counts, cpu_samples, &traces);
@@ -850,6 +853,19 @@ impl Followers {
             None => None,
         })
     }
+}
+
+/// `--events`: one line per message, in the order they were due.
+fn write_events(path: &std::path::Path, traces: &[Trace]) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let mut order: Vec<&Trace> = traces.iter().collect();
+    order.sort_by_key(|t| t.due_offset);
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+    for trace in order {
+        writeln!(out, "{}", trace.events_line())?;
+    }
+    out.flush()?;
+    Ok(())
 }
 
 /// With a schedule: what happened per second (tries and refusals, the CPU

@@ -35,6 +35,7 @@ fn book(messages: u64) -> LoadConfig {
         dedup_off: false,
         storm_window: Duration::ZERO,
         progress: false,
+        events: None,
         followers: true,
         encoding: Encoding::Json,
         queue: true,
@@ -47,7 +48,11 @@ fn book(messages: u64) -> LoadConfig {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_short_book_run_loses_nothing_and_stores_nothing_twice() {
     let _alone = ONE_RUN_AT_A_TIME.lock().await;
-    let outcome = run(book(1000)).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let events = dir.path().join("events.tsv");
+    let mut config = book(1000);
+    config.events = Some(events.clone());
+    let outcome = run(config).await.unwrap();
     let report = &outcome.report;
     let audit = &outcome.audit;
     assert!(audit.passed(), "{}", report.render());
@@ -78,6 +83,33 @@ async fn a_short_book_run_loses_nothing_and_stores_nothing_twice() {
     // Every message that reached the server at least once is stored once.
     assert!(audit.stored_rows <= 1000);
     assert!(audit.stored_rows + audit.failed >= 1000);
+
+    // `--events`: a line per message, in the order they were due, each
+    // try with what came back; the ACKs lost on the way down among them.
+    let events = std::fs::read_to_string(&events).unwrap();
+    let lines: Vec<Vec<&str>> = events.lines().map(|l| l.split('\t').collect()).collect();
+    assert_eq!(lines.len(), 1000);
+    let due: Vec<u64> = lines.iter().map(|l| l[0].parse().unwrap()).collect();
+    assert!(due.windows(2).all(|w| w[0] <= w[1]), "in the order due");
+    let mut acks_lost = 0;
+    for line in &lines {
+        let steps: Vec<&str> = line[4].split(' ').filter(|s| !s.is_empty()).collect();
+        let tries = steps.iter().filter(|s| !s.starts_with('H')).count();
+        assert_eq!(line[2], tries.to_string(), "{line:?}");
+        acks_lost += steps.iter().filter(|s| s.starts_with('a')).count() as u64;
+        match line[1] {
+            "-" => assert!(
+                !steps.last().is_some_and(|s| s.starts_with('A')),
+                "{line:?}"
+            ),
+            latency => {
+                let latency: u64 = latency.parse().unwrap();
+                let last = steps.last().and_then(|s| s.strip_prefix('A')).unwrap();
+                assert!(latency.abs_diff(last.parse().unwrap()) <= 1, "{line:?}");
+            }
+        }
+    }
+    assert_eq!(acks_lost, report.acks_lost);
 
     // The HTML report carries its three plots, drawn from the run's data.
     let html = imdedup_loadtest::html::render(report);
