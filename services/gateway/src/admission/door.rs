@@ -89,6 +89,18 @@ impl State {
         let admitted = match appointment {
             // Its turn: in, even above the limit (the appointments are
             // paced at what the gateway serves), up to twice the limit.
+            // While the backlog drains, an old message back for its
+            // appointment is the backlog's: within its share of the places,
+            // so that the places above the limit are the new sends'. Up to
+            // twice the limit, the phones refused in a 3x surge, back for
+            // appointments paced at what the gateway served while full,
+            // took the places new sends needed, and those were asked back
+            // until their messages were old and booked at the end (a fifth
+            // to a half of the new messages of the first seconds after the
+            // surge answered after 20-40 s).
+            Some(slot) if slot <= now + EARLY && self.draining() && !newness.fresh() => {
+                self.in_flight < self.backlog_room(now)
+            }
             Some(slot) if slot <= now + EARLY => self.in_flight < limit.saturating_mul(2),
             // The surge is over: a new send goes before the backlog.
             None if new && self.draining() => self.in_flight < limit.saturating_mul(2),
@@ -588,6 +600,36 @@ mod tests {
             door.admit(key, now).is_err(),
             "no backlog, no room above the limit"
         );
+    }
+
+    /// While the backlog drains, a phone back on time for its appointment
+    /// with an old message is the backlog's: it takes a place within the
+    /// backlog's share of the limit, not above it, where the new sends go;
+    /// without one it is booked again at the end.
+    #[test]
+    fn while_the_backlog_drains_an_old_message_on_time_takes_only_the_backlogs_places() {
+        let (mut door, mut now, mut key, _backlog) = in_a_surge(2);
+        let old = key;
+        key += 1;
+        door.state.in_flight = 2 * door.state.aimd.limit();
+        wait(door.admit_old(old, now));
+        let slot = door.state.book[&old];
+        traffic(&mut door, &mut now, &mut key, 6, 5, 10);
+        assert!(door.state.draining(), "the surge is seen to be over");
+        let at = now.max(slot);
+        let limit = door.state.aimd.limit();
+        assert!(door.state.backlog_room(at) <= limit);
+        // On time, above the limit: booked again, at the end.
+        door.state.in_flight = limit;
+        let again = wait(door.admit_old(old, at));
+        assert_eq!(door.state.last_slot, at + again, "booked at the end");
+        // A new send at that moment goes in above the limit.
+        assert!(door.admit(key, at).is_ok());
+        // Within the backlog's share, the old message goes in at its
+        // appointment.
+        door.state.in_flight = 0;
+        assert!(door.admit_old(old, at + again).is_ok());
+        assert!(!door.state.book.contains_key(&old));
     }
 
     /// For 1.5 s after a surge, ten sends answered and two new ones

@@ -57,7 +57,10 @@
 //! seconds, or in each of two quarter seconds in a row), and until they
 //! arrive as fast again ([`rates::SURGE_SHARE`]), the
 //! backlog is draining: a new send then goes in up to twice
-//! the limit, and held sends take places only below the limit. New
+//! the limit, and the backlog's sends (held sends, and phones back for
+//! their appointments with messages older than [`FRESH_FOR`]) take places
+//! only within the backlog's share of the limit; a phone back on time that
+//! finds none is booked again at the end. New
 //! messages flow at their usual latency while the backlog drains with what
 //! they leave; in order of arrival they would wait behind all of it. The
 //! new messages held behind the backlog in the moments before the drain
