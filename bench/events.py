@@ -5,8 +5,8 @@ Reads the file `imdedup-load … --events FILE` writes (one tab-separated line
 per message: due ms, latency ms or `-`, tries, sends held back, then each
 step: `L` lost on the way up, `H` held back by the phone's throttle, `R` an
 error (`:code`), `A` an ACK, `a` an ACK lost on the way down, `C` no
-connection; each with the ms after due it happened and `+ms` the wait asked
-for). For each second from FROM, prints the messages' latency percentiles
+connection; each with the ms after due it happened, for an answer when it
+came back, and `+ms` the wait asked for). For each second from FROM, prints the messages' latency percentiles
 and their most common paths: slow or not (answered within --slow, default
 5 s), the first step, and the kinds of step on the way; with one example of
 each slow path.

@@ -80,7 +80,8 @@ pub struct Trace {
     pub events: Vec<Event>,
 }
 
-/// One step of a message's delivery: when, after the message was due.
+/// One step of a message's delivery: when, after the message was due
+/// (for an answer, when it came back).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Event {
     pub at: Duration,
@@ -115,7 +116,8 @@ impl Trace {
     /// The message as one tab-separated line of `--events`: when it was
     /// due and its latency (ms; `-` if the phone gave up), tries, sends
     /// held back, then each step as a letter, the ms after due it
-    /// happened, and the wait asked for (`+ms`): `L` lost on the way up,
+    /// happened (an answer: when it came back; a lost send: when it was
+    /// sent), and the wait asked for (`+ms`): `L` lost on the way up,
     /// `H` held back, `R` an error (`:code`), `A` an ACK (`a` if lost on the
     /// way down), `C` no connection.
     pub fn events_line(&self) -> String {
