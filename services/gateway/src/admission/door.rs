@@ -87,8 +87,6 @@ impl State {
             self.arrived(now);
         }
         let admitted = match appointment {
-            // Its turn: in, even above the limit (the appointments are
-            // paced at what the gateway serves), up to twice the limit.
             // While the backlog drains, an old message back for its
             // appointment is the backlog's: within its share of the places,
             // so that the places above the limit are the new sends'. Up to
@@ -101,6 +99,8 @@ impl State {
             Some(slot) if slot <= now + EARLY && self.draining() && !newness.fresh() => {
                 self.in_flight < self.backlog_room(now)
             }
+            // Its turn: in, even above the limit (the appointments are
+            // paced at what the gateway serves), up to twice the limit.
             Some(slot) if slot <= now + EARLY => self.in_flight < limit.saturating_mul(2),
             // The surge is over: a new send goes before the backlog.
             None if new && self.draining() => self.in_flight < limit.saturating_mul(2),
@@ -143,8 +143,8 @@ impl State {
             // message back on time for its appointment: booked at the end
             // as an old one is, a new message asked back in a quarter
             // second ahead of the backlog (the budget for held sends full)
-            // was asked back in 20 s when it came (a fifth of the new
-            // messages of the second second after a 3x surge).
+            // was asked back in 20 s when it came (a fifth to a half of
+            // the new messages of the second second after a 3x surge).
             _ if newness.fresh() && self.draining() && self.book.len() < MAX_BOOKED => {
                 self.pace.refused(now);
                 return Err(self.ahead_of_backlog(key, now));
