@@ -86,31 +86,30 @@ impl State {
         if appointment.is_none() && newness == Newness::Arriving {
             self.arrived(now);
         }
+        let draining = self.draining();
+        let on_time = appointment.is_some_and(|slot| slot <= now + EARLY);
         let admitted = match appointment {
-            // While the backlog drains, an old message back for its
-            // appointment is the backlog's: within its share of the places,
-            // so that the places above the limit are the new sends'. Up to
-            // twice the limit, the phones refused in a 3x surge, back for
-            // appointments paced at what the gateway served while full,
-            // took the places new sends needed, and those were asked back
-            // until their messages were old and booked at the end (a fifth
-            // to a half of the new messages of the first seconds after the
-            // surge answered after 20-40 s).
-            Some(slot) if slot <= now + EARLY && self.draining() && !newness.fresh() => {
+            // While the backlog drains, an old message is one of the
+            // backlog, whether the gateway sees it for the first time or
+            // its phone is back on time for an appointment: within the
+            // backlog's share of the places, so that the places above the
+            // limit are the new sends'. Up to the limit, the phones refused
+            // past the horizon in a 3x surge, back 20 s later at up to
+            // 18,000 a second, could fill the places, and every new send
+            // waited behind them at the shards; up to twice the limit, the
+            // phones back for appointments paced at what the gateway served
+            // while full took the places new sends needed, and those were
+            // asked back until their messages were old and booked at the
+            // end (a fifth to a half of the new messages of the first
+            // seconds after the surge answered after 20-40 s).
+            _ if draining && !newness.fresh() && (on_time || appointment.is_none()) => {
                 self.in_flight < self.backlog_room(now)
             }
             // Its turn: in, even above the limit (the appointments are
             // paced at what the gateway serves), up to twice the limit.
-            Some(slot) if slot <= now + EARLY => self.in_flight < limit.saturating_mul(2),
+            Some(_) if on_time => self.in_flight < limit.saturating_mul(2),
             // The surge is over: a new send goes before the backlog.
-            None if new && self.draining() => self.in_flight < limit.saturating_mul(2),
-            // An old message the gateway had not seen, while the backlog
-            // drains: one of the backlog, within its share of the places.
-            // Up to the limit, the phones refused past the horizon in a 3x
-            // surge, back 20 s later at up to 18,000 a second, could fill
-            // the places, and every new send waited behind them at the
-            // shards.
-            None if self.draining() => self.in_flight < self.backlog_room(now),
+            None if new && draining => self.in_flight < limit.saturating_mul(2),
             // A free place is taken by whoever comes, new or early: a place
             // kept for a later appointment would be capacity lost for good.
             Some(_) | None => self.in_flight < limit,
@@ -130,7 +129,7 @@ impl State {
         }
         match appointment {
             // Early: the same appointment.
-            Some(slot) if slot > now + EARLY => {
+            Some(slot) if !on_time => {
                 return Err(Refusal::Appointment {
                     retry_after: (slot - now).max(MIN_WAIT),
                 });
@@ -145,7 +144,7 @@ impl State {
             // second ahead of the backlog (the budget for held sends full)
             // was asked back in 20 s when it came (a fifth to a half of
             // the new messages of the second second after a 3x surge).
-            _ if newness.fresh() && self.draining() && self.book.len() < MAX_BOOKED => {
+            _ if newness.fresh() && draining && self.book.len() < MAX_BOOKED => {
                 self.pace.refused(now);
                 return Err(self.ahead_of_backlog(key, now));
             }
