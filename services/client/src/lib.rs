@@ -29,7 +29,7 @@ use tokio_tungstenite::tungstenite::{
     self, Message, client::IntoClientRequest, http, protocol::WebSocketConfig,
 };
 
-use crate::throttle::Throttle;
+use crate::throttle::Throttles;
 
 /// What one read from the socket asks for (see [`Client::connect`]).
 const READ_BUFFER_BYTES: usize = 8 * 1024;
@@ -127,6 +127,14 @@ pub enum Reply {
 
 type Waiter = oneshot::Sender<Reply>;
 
+/// A send waiting for its reply, and whether its message was fresh
+/// ([`FRESH_FOR`]) when sent: its refusal counts for the throttle of its
+/// kind.
+struct SendWaiter {
+    reply: Waiter,
+    fresh: bool,
+}
+
 /// A send's answer: known at once (held back), or to come.
 enum Answer {
     Now(ErrorReply),
@@ -135,7 +143,7 @@ enum Answer {
 
 #[derive(Default)]
 struct Pending {
-    sends: HashMap<Vec<u8>, VecDeque<Waiter>>,
+    sends: HashMap<Vec<u8>, VecDeque<SendWaiter>>,
     pulls: HashMap<String, Waiter>,
     /// Set by the reader when the connection is gone: a waiter added after
     /// that would never be woken and would sit out the whole reply timeout.
@@ -143,7 +151,7 @@ struct Pending {
     /// `queued` answers received.
     queued: u64,
     /// Client-side throttling, when asked for.
-    throttle: Option<Throttle>,
+    throttle: Option<Throttles>,
     /// Sends held back by the throttle.
     held_back: u64,
     /// The IDs of sends held back and not written since, with when they
@@ -302,7 +310,7 @@ impl Client {
     /// retryable error [`HELD_BACK`] and a `retry_after` about as long as
     /// the gateway's last `overloaded` answer asked for.
     pub fn with_throttle(self, k: f64) -> Self {
-        self.lock().throttle = (k > 0.0).then(|| Throttle::new(k, Instant::now()));
+        self.lock().throttle = (k > 0.0).then(|| Throttles::new(k, Instant::now()));
         self
     }
 
@@ -394,7 +402,8 @@ impl Client {
         age: Duration,
     ) -> Result<(u64, Answer), ClientError> {
         let age_ms = u64::try_from(age.as_millis()).unwrap_or(u64::MAX);
-        if let Some(held) = self.hold_back(id) {
+        let fresh = age < FRESH_FOR;
+        if let Some(held) = self.hold_back(id, fresh) {
             return Ok((0, Answer::Now(held)));
         }
         let frame = match self.encoding {
@@ -423,7 +432,11 @@ impl Client {
             if pending.gone {
                 return Err(ClientError::Closed);
             }
-            pending.sends.entry(id.to_vec()).or_default().push_back(tx);
+            pending
+                .sends
+                .entry(id.to_vec())
+                .or_default()
+                .push_back(SendWaiter { reply: tx, fresh });
         }
         let slot = self.out.reserve().await.map_err(|_| ClientError::Closed)?;
         let mut sent = self
@@ -435,20 +448,21 @@ impl Client {
         Ok((*sent, Answer::Later(rx)))
     }
 
-    /// Whether the throttle holds back this send of `id`, and its answer.
-    fn hold_back(&self, id: &[u8]) -> Option<ErrorReply> {
+    /// Whether the throttle holds back this send of `id`, of a message
+    /// `fresh` or not, and its answer.
+    fn hold_back(&self, id: &[u8], fresh: bool) -> Option<ErrorReply> {
         let mut pending = self.lock();
         let pending = &mut *pending;
         let throttle = pending.throttle.as_mut()?;
         let now = Instant::now();
         let again = pending.held_ids.contains_key(id);
-        if !throttle.hold_back(now, rand::random(), again) {
+        if !throttle.hold_back(now, rand::random(), again, fresh) {
             if again {
                 pending.held_ids.remove(id);
             }
             return None;
         }
-        let wait = throttle.wait(now, rand::random_range(0.5..=1.5));
+        let wait = throttle.wait(now, rand::random_range(0.5..=1.5), fresh);
         if pending.held_ids.len() >= pending.held_ids_prune_at.max(HELD_IDS_PRUNE_AT) {
             // Sends their callers stopped trying.
             pending
@@ -595,6 +609,7 @@ impl Client {
 
 fn dispatch(pending: &Mutex<Pending>, reply: Reply) -> Option<Reply> {
     let mut pending = pending.lock().unwrap_or_else(|p| p.into_inner());
+    let pending = &mut *pending;
     let waiter = match &reply {
         // The answer comes later; its waiter keeps waiting.
         Reply::Queued { .. } => {
@@ -607,14 +622,18 @@ fn dispatch(pending: &Mutex<Pending>, reply: Reply) -> Option<Reply> {
             retry_after,
             ..
         }) if code == "overloaded" => {
+            let waiter = pending.sends.get_mut(id).and_then(VecDeque::pop_front);
             if let Some(throttle) = pending.throttle.as_mut() {
-                throttle.refused(Instant::now(), *retry_after);
+                let fresh = waiter.as_ref().is_some_and(|w| w.fresh);
+                throttle.refused(Instant::now(), *retry_after, fresh);
             }
-            pending.sends.get_mut(id).and_then(VecDeque::pop_front)
+            waiter.map(|w| w.reply)
         }
-        Reply::Ack(AckReply { id, .. }) | Reply::Error(ErrorReply { id: Some(id), .. }) => {
-            pending.sends.get_mut(id).and_then(VecDeque::pop_front)
-        }
+        Reply::Ack(AckReply { id, .. }) | Reply::Error(ErrorReply { id: Some(id), .. }) => pending
+            .sends
+            .get_mut(id)
+            .and_then(VecDeque::pop_front)
+            .map(|w| w.reply),
         // Protobuf cannot tell an empty ID from none: such an error answers
         // a send with the empty ID, if one is waiting.
         Reply::Error(ErrorReply {
@@ -624,7 +643,8 @@ fn dispatch(pending: &Mutex<Pending>, reply: Reply) -> Option<Reply> {
         }) => pending
             .sends
             .get_mut(&Vec::new())
-            .and_then(VecDeque::pop_front),
+            .and_then(VecDeque::pop_front)
+            .map(|w| w.reply),
         Reply::Error(ErrorReply {
             reference: Some(r), ..
         })
@@ -771,6 +791,8 @@ fn parse_protobuf(bytes: &[u8]) -> Option<Reply> {
 }
 
 pub use tokio_tungstenite::tungstenite::Message as RawMessage;
+
+pub use crate::throttle::FRESH_FOR;
 
 #[cfg(test)]
 mod tests {

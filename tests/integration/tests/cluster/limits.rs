@@ -4,7 +4,11 @@
 
 use super::common;
 
-use std::{num::NonZeroU32, sync::Arc, time::Duration};
+use std::{
+    num::NonZeroU32,
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use futures_util::StreamExt;
 use imdedup_client::{Client, ClientError, Encoding, HELD_BACK};
@@ -131,6 +135,56 @@ async fn a_throttled_phone_holds_back_most_of_what_the_gateway_would_refuse() {
     assert_eq!(
         common::rows(&plain, DM).await.len(),
         (stored + stored_t) as usize
+    );
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_of_a_phones_old_messages_hold_back_its_old_messages_not_its_new_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = cluster(&dir, send_rate(1, 1)).await;
+    let ben = common::connect(&cluster, "ben", Encoding::Json)
+        .await
+        .with_throttle(2.0);
+    // The phone's line between fresh and old is the gateway's.
+    assert_eq!(
+        imdedup_client::FRESH_FOR,
+        imdedup_gateway::admission::FRESH_FOR
+    );
+    // A phone back with a hundred messages written ten seconds ago: the
+    // gateway refuses all but the first (over the rate), and the throttle
+    // holds most of them back.
+    let written = Instant::now()
+        .checked_sub(imdedup_client::FRESH_FOR * 2)
+        .unwrap();
+    let (mut refused, mut held_back) = (0, 0);
+    for i in 0..100 {
+        let id = format!("old-{i}");
+        let (number, reply) = ben
+            .send_numbered_since(id.as_bytes(), DM, "old", written)
+            .await
+            .unwrap();
+        match reply {
+            Err(e) if number == 0 => {
+                assert_eq!(e.code, HELD_BACK, "{e:?}");
+                held_back += 1;
+            }
+            Err(e) => {
+                assert_eq!(e.code, "overloaded", "{e:?}");
+                refused += 1;
+            }
+            Ok(_) => {}
+        }
+    }
+    assert!(held_back >= 60, "held back {held_back}, refused {refused}");
+    // Its new message goes to the gateway: the old ones' refusals do not
+    // count for it (counted, they hold back ~97% of new sends).
+    let (number, reply) = ben.send_numbered(b"new-1", DM, "new").await.unwrap();
+    assert_ne!(number, 0, "the new message was held back: {reply:?}");
+    refused += u32::from(reply.is_err());
+    assert_eq!(
+        limited(&cluster, "user_send_rate").await,
+        f64::from(refused)
     );
     cluster.shutdown().await;
 }
