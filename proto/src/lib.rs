@@ -12,6 +12,14 @@ pub mod convert;
 pub mod json;
 pub mod status;
 
+use std::time::Duration;
+
+/// A send whose message its phone has had this long (`age_ms`) is of an
+/// old message: the gateway serves it with the backlog of a surge, not
+/// ahead of it, and a phone's throttle decides for it by other counts than
+/// for its fresh messages. One value for both sides.
+pub const FRESH_FOR: Duration = Duration::from_secs(5);
+
 /// Version 1 of the protocol, package `imdedup.v1`.
 pub mod v1 {
     tonic::include_proto!("imdedup.v1");

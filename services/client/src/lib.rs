@@ -792,7 +792,9 @@ fn parse_protobuf(bytes: &[u8]) -> Option<Reply> {
 
 pub use tokio_tungstenite::tungstenite::Message as RawMessage;
 
-pub use crate::throttle::FRESH_FOR;
+/// How long a phone has had a message before it is old
+/// ([`Client::with_throttle`] decides for fresh and old messages apart).
+pub use imdedup_proto::FRESH_FOR;
 
 #[cfg(test)]
 mod tests {

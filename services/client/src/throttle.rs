@@ -30,25 +30,22 @@
 //! passed with no refusal since, every send goes, and the next refusal
 //! brings the counts, which still cover the last seconds, back into play.
 //!
-//! A phone keeps two such throttles ([`Throttles`]): one over all its sends,
-//! which decides for its old messages, and one over its fresh messages
-//! only ([`FRESH_FOR`]), which decides for those. After a surge the gateway
-//! serves new messages ahead of its backlog, while it still refuses the
-//! backlog's: a phone's old messages come back for their appointments and
-//! are booked again. Counted with its new messages, those refusals kept the
-//! phone holding back a quarter of its new messages for 1-4 s through the
-//! ten seconds after a 3x surge, when the gateway refused almost none of
-//! them (the p99 of new messages 3.4-4.3 s, each one's steps read with the
-//! load driver's `--events`). Old messages keep the throttle over all sends,
-//! so the backlog's phones still hold back what the gateway would refuse.
+//! A phone keeps two such throttles ([`Throttles`]): one over all its
+//! sends, which decides for its old messages, and one over its fresh
+//! messages only ([`FRESH_FOR`](imdedup_proto::FRESH_FOR)), which decides
+//! for those. After a surge the gateway serves new messages ahead of its
+//! backlog while it still refuses the backlog's: a phone's old messages
+//! come back for their appointments and are booked again. Counted with
+//! its new messages, those refusals kept the phone holding back a quarter
+//! of its new messages for 1-4 s through the ten seconds after a 3x
+//! surge, when the gateway refused almost none of them (the p99 of new
+//! messages 3.4-4.3 s, each one's steps read with the load driver's
+//! `--events`). Old messages keep the throttle over all sends, so the
+//! backlog's phones still hold back what the gateway would refuse (old
+//! messages by counts of their own, tried, held back no more of them and
+//! made the new ones slower).
 
 use std::time::{Duration, Instant};
-
-/// A message its phone has had this long (the protocol's `age_ms`) is old:
-/// the gateway serves it with the backlog of a surge, not ahead of it, so
-/// its refusals say nothing of how the gateway takes new messages. The
-/// gateway's own bound of the same name.
-pub const FRESH_FOR: Duration = Duration::from_secs(5);
 
 /// A phone's throttles: over all its sends, and over its fresh messages
 /// (see the module docs). Every send is counted in the first; a fresh one

@@ -151,8 +151,9 @@ impl AdmissionOptions {
 /// waits its turn. Five seconds: the phones' throttle holds a send back up
 /// to 1.5 s at a time, and a phone busy through a surge tries a message
 /// written after it a few seconds late; with two, such messages were taken
-/// for the surge's and waited behind it.
-pub const FRESH_FOR: Duration = Duration::from_secs(5);
+/// for the surge's and waited behind it. The protocol's
+/// [`imdedup_proto::FRESH_FOR`], which the phones' throttle uses too.
+pub const FRESH_FOR: Duration = imdedup_proto::FRESH_FOR;
 
 /// A message its phone has had for less than this is arriving now: it is
 /// counted as an arrival for the drain rule. One second: counted up to
