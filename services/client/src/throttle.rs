@@ -219,6 +219,29 @@ impl Throttle {
 mod tests {
     use super::*;
 
+    /// The `i`th of a phone's draws, spread evenly over [0, 1).
+    fn draw(i: u32) -> f64 {
+        (f64::from(i) * 0.618_033_988_7).fract()
+    }
+
+    /// A hundred sends of messages `fresh` or not, every one the phone
+    /// writes refused with `hint`.
+    fn all_refused(throttles: &mut Throttles, now: Instant, fresh: bool, hint: Duration) {
+        for i in 0..100 {
+            if !throttles.hold_back(now, draw(i), false, fresh) {
+                throttles.refused(now, Some(hint), fresh);
+            }
+        }
+    }
+
+    /// Of a hundred sends of messages `fresh` or not, how many are held
+    /// back.
+    fn held_of_100(throttles: &mut Throttles, now: Instant, fresh: bool) -> usize {
+        (0..100)
+            .filter(|&i| throttles.hold_back(now, draw(i), false, fresh))
+            .count()
+    }
+
     /// The phone wants `n` sends (draws spread evenly over [0, 1)); the
     /// gateway accepts the first `accepts` it reads and refuses the rest,
     /// asking each to come back after `hint`. How many reached it.
@@ -231,8 +254,7 @@ mod tests {
     ) -> u32 {
         let mut sent = 0;
         for i in 0..n {
-            let draw = (f64::from(i) * 0.618_033_988_7).fract();
-            if !throttle.hold_back(now, draw, false) {
+            if !throttle.hold_back(now, draw(i), false) {
                 sent += 1;
                 if sent > accepts {
                     throttle.refused(now, Some(hint));
@@ -354,21 +376,11 @@ mod tests {
     fn refusals_of_old_messages_hold_back_old_messages_only() {
         let start = Instant::now();
         let mut throttles = Throttles::new(2.0, start);
-        let draw = |i: u32| (f64::from(i) * 0.618_033_988_7).fract();
-        for i in 0..100 {
-            if !throttles.hold_back(start, draw(i), false, false) {
-                throttles.refused(start, Some(Duration::from_secs(20)), false);
-            }
-        }
+        all_refused(&mut throttles, start, false, Duration::from_secs(20));
         let now = start + Duration::from_millis(500);
-        let old_held = (0..100)
-            .filter(|&i| throttles.hold_back(now, draw(i), false, false))
-            .count();
+        let old_held = held_of_100(&mut throttles, now, false);
         assert!(old_held > 90, "{old_held} of 100 old messages held back");
-        let fresh_held = (0..100)
-            .filter(|&i| throttles.hold_back(now, draw(i), false, true))
-            .count();
-        assert_eq!(fresh_held, 0);
+        assert_eq!(held_of_100(&mut throttles, now, true), 0);
     }
 
     /// While the gateway refuses new messages (a surge), they are held back,
@@ -377,17 +389,10 @@ mod tests {
     fn refusals_of_fresh_messages_hold_back_fresh_and_old_messages() {
         let start = Instant::now();
         let mut throttles = Throttles::new(2.0, start);
-        let draw = |i: u32| (f64::from(i) * 0.618_033_988_7).fract();
-        for i in 0..100 {
-            if !throttles.hold_back(start, draw(i), false, true) {
-                throttles.refused(start, Some(Duration::from_secs(3)), true);
-            }
-        }
+        all_refused(&mut throttles, start, true, Duration::from_secs(3));
         let now = start + Duration::from_millis(500);
         for fresh in [true, false] {
-            let held = (0..100)
-                .filter(|&i| throttles.hold_back(now, draw(i), false, fresh))
-                .count();
+            let held = held_of_100(&mut throttles, now, fresh);
             assert!(held > 50, "{held} of 100 held back (fresh: {fresh})");
         }
         // Each waits what is left of its own throttle's last wait asked for.
