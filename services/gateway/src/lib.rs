@@ -376,13 +376,19 @@ impl Gateway {
     }
 
     /// A held send's new place in the queue, at the front of the backlog.
-    pub(crate) fn hold_ahead(&self, sender: &Sender, id: &[u8]) -> Ticket {
-        self.admission.hold_ahead(sender.as_str(), id)
+    pub(crate) fn hold_ahead(&self, sender: &Sender, id: &[u8], age: Duration) -> Ticket {
+        self.admission.hold_ahead(sender.as_str(), id, age)
     }
 
     /// A held send's new place in the queue, ahead of the backlog.
-    pub(crate) fn hold_urgent(&self, sender: &Sender, id: &[u8], new: bool) -> Ticket {
-        self.admission.hold_urgent(sender.as_str(), id, new)
+    pub(crate) fn hold_urgent(
+        &self,
+        sender: &Sender,
+        id: &[u8],
+        new: bool,
+        age: Duration,
+    ) -> Ticket {
+        self.admission.hold_urgent(sender.as_str(), id, new, age)
     }
 
     /// The answer to a held send given up before a place came for it.

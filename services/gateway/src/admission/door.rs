@@ -281,7 +281,7 @@ impl State {
         if !goes {
             return None;
         }
-        let waiter = queues.queue(lane).pop_front()?;
+        let waiter = queues.pop_front(lane)?;
         self.book.remove(&waiter.key);
         self.in_flight += 1;
         if waiter.holder == Holder::New {
@@ -467,6 +467,7 @@ mod tests {
             due,
             held_at: due,
             arriving: false,
+            written: due,
             place,
             holder: Holder::Backlog,
         }
@@ -688,6 +689,7 @@ mod tests {
                 due: now + Duration::from_secs(20),
                 held_at: now,
                 arriving,
+                written: now,
                 place,
                 holder: Holder::Backlog,
             },

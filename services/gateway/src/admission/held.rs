@@ -2,7 +2,8 @@
 //! (which one takes it is the door's rule, [`super::door`]).
 
 use std::{
-    collections::{HashMap, VecDeque},
+    cmp::{Ordering, Reverse},
+    collections::{BinaryHeap, HashMap, VecDeque},
     time::{Duration, Instant},
 };
 
@@ -21,6 +22,9 @@ pub(super) struct Waiter {
     /// ([`Queues::take_arriving_since`]).
     pub(super) held_at: Instant,
     pub(super) arriving: bool,
+    /// When its message was written (its phone's age of it, when read):
+    /// in the urgent lane the youngest new message goes first.
+    pub(super) written: Instant,
     pub(super) place: oneshot::Sender<Call>,
     /// Whose its place will be: a new send's when it was held ahead of the
     /// backlog ([`super::Refusal::AheadOfBacklog`]), so the draining
@@ -56,9 +60,84 @@ pub(super) struct Queues {
     pub(super) backlog: VecDeque<Waiter>,
     /// Held sends at the front of the backlog.
     pub(super) ahead: VecDeque<Waiter>,
-    /// Held sends that go before the rest: of conversations a new send
-    /// waits in while the backlog drains.
-    pub(super) urgent: VecDeque<Waiter>,
+    /// Held sends that go before the rest: new sends while the backlog
+    /// drains, and the held sends of their conversations before them.
+    pub(super) urgent: Urgent,
+}
+
+/// The urgent lane. The held sends a new send waits behind go first, in
+/// the order held (the new send waits for each); then the new sends, the
+/// youngest message first, as in adaptive LIFO: in the seconds after a 3x
+/// surge, in the order held, the new messages of the moment waited 1-5 s
+/// behind messages written in the surge's last seconds and sent when their
+/// phones' throttles let them (two thirds of the new sends answered in the
+/// first three seconds were of the surge). While the backlog drains more
+/// is answered than arrives, so the lane empties, the oldest last.
+#[derive(Debug, Default)]
+pub(super) struct Urgent {
+    heap: BinaryHeap<Ranked>,
+    /// Sends pushed so far: the order held, among equals.
+    pushed: u64,
+}
+
+/// Which urgent send goes first: the greater.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Rank {
+    /// A new send: the youngest message, then the first held.
+    New(Instant, Reverse<u64>),
+    /// A held send a new send waits behind: before every new send, in the
+    /// order held.
+    Before(Reverse<u64>),
+}
+
+#[derive(Debug)]
+struct Ranked {
+    rank: Rank,
+    waiter: Waiter,
+}
+
+impl PartialEq for Ranked {
+    fn eq(&self, other: &Self) -> bool {
+        self.rank == other.rank
+    }
+}
+
+impl Eq for Ranked {}
+
+impl PartialOrd for Ranked {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Ranked {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.rank.cmp(&other.rank)
+    }
+}
+
+impl Urgent {
+    fn push(&mut self, waiter: Waiter) {
+        let order = Reverse(self.pushed);
+        self.pushed += 1;
+        let rank = match waiter.holder {
+            Holder::New => Rank::New(waiter.written, order),
+            Holder::Backlog => Rank::Before(order),
+        };
+        self.heap.push(Ranked { rank, waiter });
+    }
+
+    fn front(&self) -> Option<&Waiter> {
+        self.heap.peek().map(|ranked| &ranked.waiter)
+    }
+
+    fn pop_front(&mut self) -> Option<Waiter> {
+        self.heap.pop().map(|ranked| ranked.waiter)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.heap.is_empty()
+    }
 }
 
 impl Queues {
@@ -66,18 +145,31 @@ impl Queues {
         // Appointments are handed out in order, so the backlog stays in
         // their order (a send held behind its conversation's held send may
         // repeat an earlier appointment; it still goes after that send).
-        self.queue(lane).push_back(waiter);
+        match lane {
+            Lane::Backlog => self.backlog.push_back(waiter),
+            Lane::Ahead => self.ahead.push_back(waiter),
+            Lane::Urgent => self.urgent.push(waiter),
+        }
     }
 
     pub(super) fn is_empty(&self) -> bool {
         self.backlog.is_empty() && self.ahead.is_empty() && self.urgent.is_empty()
     }
 
-    pub(super) fn queue(&mut self, lane: Lane) -> &mut VecDeque<Waiter> {
+    fn front(&self, lane: Lane) -> Option<&Waiter> {
         match lane {
-            Lane::Backlog => &mut self.backlog,
-            Lane::Ahead => &mut self.ahead,
-            Lane::Urgent => &mut self.urgent,
+            Lane::Backlog => self.backlog.front(),
+            Lane::Ahead => self.ahead.front(),
+            Lane::Urgent => self.urgent.front(),
+        }
+    }
+
+    /// The first send of `lane`, out of it.
+    pub(super) fn pop_front(&mut self, lane: Lane) -> Option<Waiter> {
+        match lane {
+            Lane::Backlog => self.backlog.pop_front(),
+            Lane::Ahead => self.ahead.pop_front(),
+            Lane::Urgent => self.urgent.pop_front(),
         }
     }
 
@@ -92,16 +184,15 @@ impl Queues {
         now: Instant,
         stale: Duration,
     ) -> Option<&Waiter> {
-        let queue = self.queue(lane);
-        while let Some(front) = queue.front() {
+        while let Some(front) = self.front(lane) {
             if !front.place.is_closed() && now.saturating_duration_since(front.due) <= stale {
                 break;
             }
-            if let Some(gone) = queue.pop_front() {
+            if let Some(gone) = self.pop_front(lane) {
                 book.remove(&gone.key);
             }
         }
-        queue.front()
+        self.front(lane)
     }
 
     /// The backlog's sends held since `since` whose messages were arriving
@@ -124,5 +215,47 @@ impl Queues {
             }
         }
         arriving
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn urgent(queues: &mut Queues, key: u64, holder: Holder, written: Instant) {
+        let (place, _) = oneshot::channel();
+        let waiter = Waiter {
+            key,
+            due: written,
+            held_at: written,
+            arriving: false,
+            written,
+            place,
+            holder,
+        };
+        queues.push(waiter, Lane::Urgent);
+    }
+
+    /// After a surge, new sends of messages written in its last seconds
+    /// and of messages written now are held together: the youngest go
+    /// first, except the held sends new sends wait behind, which go before
+    /// all of them in the order held.
+    #[test]
+    fn the_urgent_lane_serves_what_new_sends_wait_for_then_the_youngest() {
+        let now = Instant::now();
+        let ago = |ms| now.checked_sub(Duration::from_millis(ms)).unwrap();
+        let mut queues = Queues::default();
+        urgent(&mut queues, 1, Holder::New, ago(4_000));
+        urgent(&mut queues, 2, Holder::New, ago(100));
+        urgent(&mut queues, 3, Holder::Backlog, ago(30_000));
+        urgent(&mut queues, 4, Holder::New, ago(2_000));
+        urgent(&mut queues, 5, Holder::New, ago(100));
+        urgent(&mut queues, 6, Holder::Backlog, ago(20_000));
+        let mut served = Vec::new();
+        while let Some(waiter) = queues.pop_front(Lane::Urgent) {
+            served.push(waiter.key);
+        }
+        assert_eq!(served, [3, 6, 2, 5, 4, 1]);
+        assert!(queues.is_empty());
     }
 }

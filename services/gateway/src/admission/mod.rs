@@ -424,8 +424,7 @@ impl Admission {
         wait: Duration,
         age: Duration,
     ) -> Ticket {
-        let arriving = Newness::of(age) == Newness::Arriving;
-        self.enqueue(sender, id, wait, Lane::Backlog, Holder::Backlog, arriving)
+        self.enqueue(sender, id, wait, Lane::Backlog, Holder::Backlog, age)
     }
 
     /// Hold the send of (`sender`, `id`) at the front of the backlog: a
@@ -435,14 +434,14 @@ impl Admission {
     /// other held send of the backlog, so the new sends arriving meanwhile
     /// do not wait behind it (in the queue of [`Admission::hold_urgent`]
     /// they did: 0.5-1 s in the 3rd-5th second after a 3x surge).
-    pub fn hold_ahead(self: &Arc<Self>, sender: &str, id: &[u8]) -> Ticket {
+    pub fn hold_ahead(self: &Arc<Self>, sender: &str, id: &[u8], age: Duration) -> Ticket {
         self.enqueue(
             sender,
             id,
             Duration::ZERO,
             Lane::Ahead,
             Holder::Backlog,
-            false,
+            age,
         )
     }
 
@@ -451,10 +450,18 @@ impl Admission {
     /// conversation that a new send waits behind, each once the send
     /// before it was answered (it gives up any ticket it held: that
     /// waiter is dropped from the queue as it comes up); and for a `new`
-    /// send that found every place taken ([`Refusal::AheadOfBacklog`]).
-    pub fn hold_urgent(self: &Arc<Self>, sender: &str, id: &[u8], new: bool) -> Ticket {
+    /// send that found every place taken ([`Refusal::AheadOfBacklog`]),
+    /// a message its phone has had for `age` ([`held::Urgent`]: the held
+    /// sends a new send waits behind first, then the youngest message).
+    pub fn hold_urgent(
+        self: &Arc<Self>,
+        sender: &str,
+        id: &[u8],
+        new: bool,
+        age: Duration,
+    ) -> Ticket {
         let holder = if new { Holder::New } else { Holder::Backlog };
-        self.enqueue(sender, id, Duration::ZERO, Lane::Urgent, holder, false)
+        self.enqueue(sender, id, Duration::ZERO, Lane::Urgent, holder, age)
     }
 
     fn enqueue(
@@ -464,7 +471,7 @@ impl Admission {
         wait: Duration,
         lane: Lane,
         holder: Holder,
-        arriving: bool,
+        age: Duration,
     ) -> Ticket {
         let (tx, call) = oneshot::channel();
         let now = Instant::now();
@@ -472,7 +479,11 @@ impl Admission {
             key: self.key(sender, id),
             due: now + wait,
             held_at: now,
-            arriving,
+            arriving: Newness::of(age) == Newness::Arriving,
+            // Only a fresh message's is compared (a new send's, in the
+            // urgent lane), and it is seconds old: an age beyond the
+            // clock's start belongs to an old one.
+            written: now.checked_sub(age).unwrap_or(now),
             place: tx,
             holder,
         };
@@ -686,8 +697,8 @@ mod tests {
     #[tokio::test]
     async fn a_new_send_held_ahead_of_the_backlog_takes_a_new_sends_place() {
         let admission = Admission::new(options(10));
-        let mut new = admission.hold_urgent("ana", b"new", true);
-        let mut old = admission.hold_urgent("ana", b"old", false);
+        let mut new = admission.hold_urgent("ana", b"new", true, Duration::ZERO);
+        let mut old = admission.hold_urgent("ana", b"old", false, Duration::ZERO);
         let new = new.ready().expect("a free place");
         let old = old.ready().expect("a free place");
         assert_eq!(admission.lock().in_flight, 2);

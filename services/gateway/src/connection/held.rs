@@ -130,10 +130,11 @@ pub(super) async fn serve_held(
             // place and wait for their turn in it, and sends waiting so,
             // once they hold every place, leave none for those before them.
             () = answered(&mut after), if wanted > lane => {
+                let age = cmd.age + reply.read_at.elapsed();
                 ticket = if wanted == Lane::Urgent {
-                    reply.gateway.hold_urgent(&sender, &cmd.id, new)
+                    reply.gateway.hold_urgent(&sender, &cmd.id, new, age)
                 } else {
-                    reply.gateway.hold_ahead(&sender, &cmd.id)
+                    reply.gateway.hold_ahead(&sender, &cmd.id, age)
                 };
                 (lane, spent) = (wanted, false);
             }
