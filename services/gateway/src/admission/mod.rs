@@ -72,7 +72,9 @@
 //! the backlog drains that conversation's held sends go first
 //! ([`Admission::hold_urgent`]): ahead of the rest of the backlog, up to
 //! twice the limit, each once the one before it is answered (the caller's
-//! rule), so that none holds a place while it waits for its turn. Every
+//! rule), so that none holds a place while it waits for its turn. There
+//! they go before the new sends held with them, which go youngest message
+//! first ([`held::Urgent`]). Every
 //! send in flight waits at the shards, so a backlog holding the whole
 //! limit would still make a new send wait for all of it; while new sends
 //! are in flight the backlog keeps to a share of the limit that adapts to
