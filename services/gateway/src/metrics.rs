@@ -239,6 +239,12 @@ impl GatewayMetrics {
         self.held_bytes.get()
     }
 
+    /// The held sends the gauge shows.
+    #[cfg(test)]
+    pub fn held_sends_shown(&self) -> i64 {
+        self.held_sends.get()
+    }
+
     /// One more open connection, until the guard is dropped.
     pub fn connection_opened(&self) -> GaugeGuard {
         GaugeGuard::up(&self.connections)

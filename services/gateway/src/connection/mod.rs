@@ -587,6 +587,34 @@ mod tests {
         drop(kept);
     }
 
+    /// Once sends stop, the gauges fall to what is held within a second:
+    /// they do not keep a surge's last values while the gateway idles.
+    #[tokio::test]
+    async fn the_held_gauges_fall_when_the_sends_stop() {
+        let (gateway, _taken) = full_gateway(crate::limits::Limits::default());
+        let kept: Vec<_> = (1..=3)
+            .map(|i| gateway.admit_send(&sender(i), &cmd(i), false))
+            .collect();
+        assert!(
+            kept.iter()
+                .all(|held| matches!(held, Ok(AdmittedSend::Held(_))))
+        );
+        gateway.sample_admission();
+        assert!(gateway.metrics().held_bytes_shown() > 0);
+        drop(kept);
+        let stop = tokio_util::sync::CancellationToken::new();
+        let sampling = tokio::spawn(crate::sample_every(
+            Duration::from_millis(10),
+            Arc::clone(&gateway),
+            stop.clone(),
+        ));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(gateway.metrics().held_bytes_shown(), 0);
+        assert_eq!(gateway.metrics().held_sends_shown(), 0);
+        stop.cancel();
+        sampling.await.expect("the sampling stops");
+    }
+
     /// The budget's last sixty-fourth is for sends going ahead of the
     /// backlog (new sends while it drains): a backlog that fills the rest
     /// does not make them wait behind it. Refused for the budget, a send
