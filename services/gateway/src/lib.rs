@@ -321,10 +321,19 @@ impl Gateway {
         // backlog fills it, and a new send refused for it after the surge
         // was booked behind every phone with an appointment (new messages
         // waited 14-20 s while most were answered in 200 ms).
-        let reserve = if promoted {
+        // Of that part, the last half is kept for messages arriving now:
+        // a send ahead of the backlog with an older message (one of the
+        // surge's last seconds, let go by its phone's throttle once it
+        // ended) goes after them (youngest first), so it is held for
+        // seconds, and such sends filled the reserve while each new
+        // message was asked back every quarter second for 2-6 s.
+        let reserve = held_budget(&self.config.limits) / AHEAD_RESERVE;
+        let reserve = if !promoted {
+            reserve
+        } else if cmd.age < admission::ARRIVING_FOR {
             0
         } else {
-            held_budget(&self.config.limits) / AHEAD_RESERVE
+            reserve / 2
         };
         let room = self.held_bytes.available_permits() >= bytes as usize + reserve;
         let Some(budget) = room

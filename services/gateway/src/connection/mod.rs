@@ -619,56 +619,64 @@ mod tests {
     /// backlog (new sends while it drains): a backlog that fills the rest
     /// does not make them wait behind it. Refused for the budget, a send
     /// of the backlog keeps its appointment; one going ahead is asked back
-    /// in about 250 ms, not at the end of the appointments.
+    /// in about 250 ms, not at the end of the appointments. The last half
+    /// of that part is kept for messages arriving now: a send ahead with an
+    /// older message (the surge's last, let go by its phone) waits behind
+    /// them, held for seconds, and must not fill all of it.
     #[tokio::test]
     async fn a_send_going_ahead_of_the_backlog_may_take_the_budgets_reserve() {
-        let one = crate::held_bytes(&cmd(1)) as usize;
+        // Every send the same size: ids of three digits.
+        let one = crate::held_bytes(&cmd(101)) as usize;
         let (gateway, _taken) = full_gateway(crate::limits::Limits {
-            // The reserve is one send.
-            max_held_bytes: 64 * one,
+            // The reserve is two sends.
+            max_held_bytes: 128 * one,
             ..crate::limits::Limits::default()
         });
-        let hold = |i: usize, ahead: bool| {
-            let key = gateway.resends.key(
-                sender(i).as_str(),
-                &cmd(i).id,
-                &cmd(i).conversation,
-                "hello",
-            );
-            gateway.hold(
-                &sender(i),
-                &cmd(i),
-                key,
-                Duration::from_secs(1),
-                ahead,
-                ahead,
-            )
+        let hold = |i: usize, ahead: bool, age: Duration| {
+            let cmd = SendCmd { age, ..cmd(i) };
+            let key = gateway
+                .resends
+                .key(sender(i).as_str(), &cmd.id, &cmd.conversation, "hello");
+            gateway.hold(&sender(i), &cmd, key, Duration::from_secs(1), ahead, ahead)
         };
-        let backlog: Vec<_> = (1..=63).map(|i| hold(i, false)).collect();
+        let (now, recent) = (Duration::ZERO, crate::admission::ARRIVING_FOR);
+        let backlog: Vec<_> = (101..=226).map(|i| hold(i, false, now)).collect();
         assert!(
             backlog
                 .iter()
                 .all(|held| matches!(held, Ok(AdmittedSend::Held(_))))
         );
-        let refused = hold(64, false).err().expect("the rest is the reserve");
+        let refused = hold(227, false, now)
+            .err()
+            .expect("the rest is the reserve");
         assert_eq!(refused.kind(), imdedup_domain::ErrorKind::Overloaded);
         assert_eq!(
             refused.retry_after(),
             Some(Duration::from_secs(1)),
             "its appointment"
         );
-        let ahead = hold(65, true);
+        let older = hold(228, true, recent);
+        assert!(
+            matches!(older, Ok(AdmittedSend::Held(_))),
+            "an older message ahead of the backlog: held in the first half"
+        );
+        let kept = hold(229, true, recent)
+            .err()
+            .expect("the last half is kept for messages arriving now");
+        let ahead = hold(230, true, now);
         assert!(
             matches!(ahead, Ok(AdmittedSend::Held(_))),
-            "held in the reserve"
+            "a message arriving now: held in the last half"
         );
-        let spent = hold(66, true).err().expect("the budget is spent");
-        let soon = spent.retry_after().expect("asked back");
-        assert!(
-            (crate::AHEAD_RETRY / 2..=crate::AHEAD_RETRY * 3 / 2).contains(&soon),
-            "asked back in {soon:?}"
-        );
-        assert_eq!(gateway.metrics().limited_count("held_bytes"), 2);
+        let spent = hold(231, true, now).err().expect("the budget is spent");
+        for refused in [kept, spent] {
+            let soon = refused.retry_after().expect("asked back");
+            assert!(
+                (crate::AHEAD_RETRY / 2..=crate::AHEAD_RETRY * 3 / 2).contains(&soon),
+                "asked back in {soon:?}"
+            );
+        }
+        assert_eq!(gateway.metrics().limited_count("held_bytes"), 3);
     }
 
     /// A send of ana's held for `wait`, its reply going to the receiver.
