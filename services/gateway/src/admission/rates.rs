@@ -93,7 +93,7 @@ pub(super) struct Flow {
     answers: f64,
     /// The surge is over: set when new sends arrive at less than
     /// [`DRAIN_SHARE`] of the sends answered, cleared only when they arrive
-    /// at [`SURGE_SHARE`] or more.
+    /// at [`SURGE_SHARE`] or more ([`SURGE_WINDOWS`] in a row).
     draining: bool,
     /// The start of the last window in which, by its own counts (not
     /// smoothed), new sends arrived at [`SURGE_SHARE`] of the answers or
@@ -135,8 +135,8 @@ const QUIET_WINDOWS: u32 = 2;
 /// enough: a quarter second in which the answers stall (a storage commit
 /// waiting for the disk) halves the smoothed answers, and on the pinned
 /// wiring in a slow hour that ended the drain in the middle of it, and
-/// the new messages of that moment were booked behind the backlog (a
-/// whole second of them answered after ~40 s, in two runs of four).
+/// the new messages of that moment were booked behind the backlog (whole
+/// seconds of them answered after ~40 s, in five runs of eight).
 const SURGE_WINDOWS: u32 = 2;
 
 impl Flow {
