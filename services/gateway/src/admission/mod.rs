@@ -55,8 +55,7 @@
 //! **New sends first once the surge is over.** Once new sends arrive
 //! slower than the gateway answers ([`rates::DRAIN_SHARE`], smoothed over quarter
 //! seconds, or in each of two quarter seconds in a row), and until they
-//! arrive as fast again ([`rates::SURGE_SHARE`], smoothed, at the end of
-//! two quarter seconds in a row), the
+//! arrive as fast again ([`rates::SURGE_SHARE`]), the
 //! backlog is draining: a new send then goes in up to twice
 //! the limit, and the backlog's sends (held sends, and phones back for
 //! their appointments with messages older than [`FRESH_FOR`]) take places

@@ -93,7 +93,7 @@ pub(super) struct Flow {
     answers: f64,
     /// The surge is over: set when new sends arrive at less than
     /// [`DRAIN_SHARE`] of the sends answered, cleared only when they arrive
-    /// at [`SURGE_SHARE`] or more ([`SURGE_WINDOWS`] in a row).
+    /// at [`SURGE_SHARE`] or more.
     draining: bool,
     /// The start of the last window in which, by its own counts (not
     /// smoothed), new sends arrived at [`SURGE_SHARE`] of the answers or
@@ -101,9 +101,6 @@ pub(super) struct Flow {
     surge_seen: Instant,
     /// Windows in a row each a drain's by its own counts.
     quiet: u32,
-    /// Windows in a row that ended with the smoothed arrivals at
-    /// [`SURGE_SHARE`] of the answers or more.
-    loud: u32,
 }
 
 /// Weight of a window's counts in the smoothed rates.
@@ -130,14 +127,6 @@ pub(super) const SURGE_SHARE: f64 = 1.0;
 /// the backlog until then. One window is not enough: a surge's arrivals
 /// come in bursts.
 const QUIET_WINDOWS: u32 = 2;
-/// A drain ends after this many windows in a row that each end with the
-/// smoothed arrivals at [`SURGE_SHARE`] of the answers or more. One is not
-/// enough: a quarter second in which the answers stall (a storage commit
-/// waiting for the disk) halves the smoothed answers, and on the pinned
-/// wiring in a slow hour that ended the drain in the middle of it, and
-/// the new messages of that moment were booked behind the backlog (whole
-/// seconds of them answered after ~40 s, in five runs of eight).
-const SURGE_WINDOWS: u32 = 2;
 
 impl Flow {
     pub(super) fn new(now: Instant) -> Self {
@@ -150,7 +139,6 @@ impl Flow {
             draining: false,
             surge_seen: now,
             quiet: 0,
-            loud: 0,
         }
     }
 
@@ -191,14 +179,9 @@ impl Flow {
         self.arrivals += FLOW_WEIGHT * (arrivals - self.arrivals);
         self.answers += FLOW_WEIGHT * (answers - self.answers);
         self.window_start = now;
-        if self.arrivals >= SURGE_SHARE * self.answers {
-            self.loud = self.loud.saturating_add(1);
-        } else {
-            self.loud = 0;
-        }
         let was_draining = self.draining;
         if self.draining {
-            self.draining = self.loud < SURGE_WINDOWS;
+            self.draining = self.arrivals < SURGE_SHARE * self.answers;
         } else {
             self.draining =
                 self.arrivals < DRAIN_SHARE * self.answers || self.quiet >= QUIET_WINDOWS;
@@ -208,8 +191,7 @@ impl Flow {
 
     /// New sends arrived at less than [`DRAIN_SHARE`] of those answered
     /// (smoothed, or in each of the last [`QUIET_WINDOWS`]), and not at
-    /// [`SURGE_SHARE`] or more (smoothed) in [`SURGE_WINDOWS`] in a row
-    /// since.
+    /// [`SURGE_SHARE`] or more since.
     pub(super) fn draining(&self) -> bool {
         self.draining
     }
@@ -346,17 +328,8 @@ mod tests {
         // them): still draining, new sends keep going first.
         flow_windows(&mut flow, &mut now, 4, 500, 625);
         assert!(flow.draining());
-        // The answers stall for a quarter second (a commit waiting for
-        // the disk), and catch up in the next: still draining.
-        flow_window(&mut flow, &mut now, 500, 0);
-        flow_window(&mut flow, &mut now, 500, 1_600);
-        assert!(flow.draining(), "a stall is not a surge");
-        flow_windows(&mut flow, &mut now, 2, 500, 1_000);
-        // More new sends than answers: a surge again, seen within two
-        // quarter seconds (each counted as the next one starts).
-        flow_windows(&mut flow, &mut now, 2, 1_500, 1_000);
-        assert!(flow.draining(), "one quarter second is not yet a surge");
-        flow_window(&mut flow, &mut now, 1_500, 1_000);
+        // More new sends than answers: a surge again.
+        flow_windows(&mut flow, &mut now, 4, 1_500, 1_000);
         assert!(!flow.draining());
     }
 
