@@ -330,7 +330,7 @@ impl Gateway {
         let reserve = held_budget(&self.config.limits) / AHEAD_RESERVE;
         let reserve = if !promoted {
             reserve
-        } else if cmd.age < admission::ARRIVING_FOR {
+        } else if admission::arriving(cmd.age) {
             0
         } else {
             reserve / 2

@@ -368,7 +368,7 @@ mod tests {
     use tokio::sync::oneshot;
 
     use super::{
-        super::{Admission, Pass, rates::PACE_WINDOW, tests::options},
+        super::{ARRIVING_FOR, Admission, FRESH_FOR, Pass, rates::PACE_WINDOW, tests::options},
         *,
     };
 
@@ -466,8 +466,7 @@ mod tests {
             key,
             due,
             held_at: due,
-            arriving: false,
-            written: due,
+            age: FRESH_FOR,
             place,
             holder: Holder::Backlog,
         }
@@ -688,8 +687,11 @@ mod tests {
                 key,
                 due: now + Duration::from_secs(20),
                 held_at: now,
-                arriving,
-                written: now,
+                age: if arriving {
+                    Duration::ZERO
+                } else {
+                    ARRIVING_FOR
+                },
                 place,
                 holder: Holder::Backlog,
             },

@@ -2,14 +2,14 @@
 //! (which one takes it is the door's rule, [`super::door`]).
 
 use std::{
-    cmp::{Ordering, Reverse},
-    collections::{BinaryHeap, HashMap, VecDeque},
+    cmp::Reverse,
+    collections::{BTreeMap, HashMap, VecDeque},
     time::{Duration, Instant},
 };
 
 use tokio::sync::oneshot;
 
-use super::{Call, Holder};
+use super::{Call, Holder, Newness};
 
 /// A held send in a queue.
 pub(super) struct Waiter {
@@ -21,16 +21,29 @@ pub(super) struct Waiter {
     /// of a surge was seen move to the front of the backlog once it is
     /// ([`Queues::take_arriving_since`]).
     pub(super) held_at: Instant,
-    pub(super) arriving: bool,
-    /// When its message was written (its phone's age of it, when read):
-    /// in the urgent lane the youngest new message goes first.
-    pub(super) written: Instant,
+    /// How long its phone had had the message when it was held.
+    pub(super) age: Duration,
     pub(super) place: oneshot::Sender<Call>,
     /// Whose its place will be: a new send's when it was held ahead of the
     /// backlog ([`super::Refusal::AheadOfBacklog`]), so the draining
     /// backlog keeps to its share while it is in flight; the backlog's
     /// otherwise.
     pub(super) holder: Holder,
+}
+
+impl Waiter {
+    /// Whether its message was arriving when held.
+    pub(super) fn arriving(&self) -> bool {
+        Newness::of(self.age) == Newness::Arriving
+    }
+
+    /// When its message was written: in the urgent lane the youngest new
+    /// message goes first. Only a fresh message's is compared (a new
+    /// send's), and it is seconds old: an age beyond the clock's start
+    /// belongs to an old one.
+    fn written(&self) -> Instant {
+        self.held_at.checked_sub(self.age).unwrap_or(self.held_at)
+    }
 }
 
 impl std::fmt::Debug for Waiter {
@@ -75,12 +88,13 @@ pub(super) struct Queues {
 /// is answered than arrives, so the lane empties, the oldest last.
 #[derive(Debug, Default)]
 pub(super) struct Urgent {
-    heap: BinaryHeap<Ranked>,
+    /// By rank, the last first.
+    ranked: BTreeMap<Rank, Waiter>,
     /// Sends pushed so far: the order held, among equals.
     pushed: u64,
 }
 
-/// Which urgent send goes first: the greater.
+/// Which urgent send goes first: the greater (each is unique).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Rank {
     /// A new send: the youngest message, then the first held.
@@ -90,53 +104,27 @@ enum Rank {
     Before(Reverse<u64>),
 }
 
-#[derive(Debug)]
-struct Ranked {
-    rank: Rank,
-    waiter: Waiter,
-}
-
-impl PartialEq for Ranked {
-    fn eq(&self, other: &Self) -> bool {
-        self.rank == other.rank
-    }
-}
-
-impl Eq for Ranked {}
-
-impl PartialOrd for Ranked {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for Ranked {
-    fn cmp(&self, other: &Self) -> Ordering {
-        self.rank.cmp(&other.rank)
-    }
-}
-
 impl Urgent {
     fn push(&mut self, waiter: Waiter) {
         let order = Reverse(self.pushed);
         self.pushed += 1;
         let rank = match waiter.holder {
-            Holder::New => Rank::New(waiter.written, order),
+            Holder::New => Rank::New(waiter.written(), order),
             Holder::Backlog => Rank::Before(order),
         };
-        self.heap.push(Ranked { rank, waiter });
+        self.ranked.insert(rank, waiter);
     }
 
     fn front(&self) -> Option<&Waiter> {
-        self.heap.peek().map(|ranked| &ranked.waiter)
+        self.ranked.last_key_value().map(|(_, waiter)| waiter)
     }
 
     fn pop_front(&mut self) -> Option<Waiter> {
-        self.heap.pop().map(|ranked| ranked.waiter)
+        self.ranked.pop_last().map(|(_, waiter)| waiter)
     }
 
     fn is_empty(&self) -> bool {
-        self.heap.is_empty()
+        self.ranked.is_empty()
     }
 }
 
@@ -208,7 +196,7 @@ impl Queues {
         let recent: Vec<Waiter> = self.backlog.drain(from..).collect();
         let mut arriving = Vec::new();
         for waiter in recent {
-            if waiter.arriving {
+            if waiter.arriving() {
                 arriving.push(waiter);
             } else {
                 self.backlog.push_back(waiter);
@@ -222,14 +210,14 @@ impl Queues {
 mod tests {
     use super::*;
 
-    fn urgent(queues: &mut Queues, key: u64, holder: Holder, written: Instant) {
+    /// Held at `now`, of a message `age_ms` old.
+    fn urgent(queues: &mut Queues, key: u64, holder: Holder, now: Instant, age_ms: u64) {
         let (place, _) = oneshot::channel();
         let waiter = Waiter {
             key,
-            due: written,
-            held_at: written,
-            arriving: false,
-            written,
+            due: now,
+            held_at: now,
+            age: Duration::from_millis(age_ms),
             place,
             holder,
         };
@@ -243,14 +231,13 @@ mod tests {
     #[test]
     fn the_urgent_lane_serves_what_new_sends_wait_for_then_the_youngest() {
         let now = Instant::now();
-        let ago = |ms| now.checked_sub(Duration::from_millis(ms)).unwrap();
         let mut queues = Queues::default();
-        urgent(&mut queues, 1, Holder::New, ago(4_000));
-        urgent(&mut queues, 2, Holder::New, ago(100));
-        urgent(&mut queues, 3, Holder::Backlog, ago(30_000));
-        urgent(&mut queues, 4, Holder::New, ago(2_000));
-        urgent(&mut queues, 5, Holder::New, ago(100));
-        urgent(&mut queues, 6, Holder::Backlog, ago(20_000));
+        urgent(&mut queues, 1, Holder::New, now, 4_000);
+        urgent(&mut queues, 2, Holder::New, now, 100);
+        urgent(&mut queues, 3, Holder::Backlog, now, 30_000);
+        urgent(&mut queues, 4, Holder::New, now, 2_000);
+        urgent(&mut queues, 5, Holder::New, now, 100);
+        urgent(&mut queues, 6, Holder::Backlog, now, 20_000);
         let mut served = Vec::new();
         while let Some(waiter) = queues.pop_front(Lane::Urgent) {
             served.push(waiter.key);

@@ -172,6 +172,12 @@ pub fn fresh(age: Duration) -> bool {
     age < FRESH_FOR
 }
 
+/// Whether a message its phone has had for `age` is arriving now
+/// ([`ARRIVING_FOR`]).
+pub fn arriving(age: Duration) -> bool {
+    age < ARRIVING_FOR
+}
+
 /// A message as the admission sees it, by how long its phone has had it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Newness {
@@ -185,7 +191,7 @@ enum Newness {
 
 impl Newness {
     fn of(age: Duration) -> Self {
-        if age < ARRIVING_FOR {
+        if arriving(age) {
             Self::Arriving
         } else if fresh(age) {
             Self::Recent
@@ -481,11 +487,7 @@ impl Admission {
             key: self.key(sender, id),
             due: now + wait,
             held_at: now,
-            arriving: Newness::of(age) == Newness::Arriving,
-            // Only a fresh message's is compared (a new send's, in the
-            // urgent lane), and it is seconds old: an age beyond the
-            // clock's start belongs to an old one.
-            written: now.checked_sub(age).unwrap_or(now),
+            age,
             place: tx,
             holder,
         };
