@@ -55,7 +55,8 @@
 //! **New sends first once the surge is over.** Once new sends arrive
 //! slower than the gateway answers ([`rates::DRAIN_SHARE`], smoothed over quarter
 //! seconds, or in each of two quarter seconds in a row), and until they
-//! arrive as fast again ([`rates::SURGE_SHARE`]), the
+//! arrive as fast again as it answered lately ([`rates::SURGE_SHARE`]; a
+//! quarter second in which the answers stall is not a surge), the
 //! backlog is draining: a new send then goes in up to twice
 //! the limit, and the backlog's sends (held sends, and phones back for
 //! their appointments with messages older than [`FRESH_FOR`]) take places

@@ -91,9 +91,13 @@ pub(super) struct Flow {
     answered: u32,
     arrivals: f64,
     answers: f64,
+    /// The most the gateway answered lately: the smoothed answers, or
+    /// this decaying by [`SERVED_DECAY`] a window, whichever is higher.
+    served: f64,
     /// The surge is over: set when new sends arrive at less than
     /// [`DRAIN_SHARE`] of the sends answered, cleared only when they arrive
-    /// at [`SURGE_SHARE`] or more.
+    /// at [`SURGE_SHARE`] of what the gateway answered lately or more, both
+    /// smoothed and in the window just ended.
     draining: bool,
     /// The start of the last window in which, by its own counts (not
     /// smoothed), new sends arrived at [`SURGE_SHARE`] of the answers or
@@ -114,13 +118,24 @@ const FLOW_WEIGHT: f64 = 0.5;
 /// more than [`super::drain::DRAIN_BEHIND`] behind its appointments is not
 /// held to a share of the places.)
 pub(super) const DRAIN_SHARE: f64 = 0.9;
-/// New sends arriving at this share of the sends answered or more: a surge
-/// again (the backlog no longer shrinks), the queue back in order of
-/// arrival. Between the two shares nothing changes: the smoothed rates move
-/// by a fifth from one quarter second to the next, and a send booked behind
-/// the backlog in a quarter second that looked like a surge waited for all
-/// of it (a whole second of new messages 13.7 s, in the middle of a drain).
+/// New sends arriving at this share of what the gateway answered lately
+/// or more, smoothed and in the quarter second just ended: a surge again (the backlog no longer shrinks), the queue back
+/// in order of arrival. Between the two shares nothing changes: the
+/// smoothed rates move by a fifth from one quarter second to the next, and
+/// a send booked behind the backlog in a quarter second that looked like a
+/// surge waited for all of it (a whole second of new messages 13.7 s, in
+/// the middle of a drain).
 pub(super) const SURGE_SHARE: f64 = 1.0;
+/// How fast what the gateway answered lately forgets a higher rate: by
+/// this a quarter second, about a tenth a second. A surge is new sends
+/// arriving faster than the gateway answers when it answers at its pace;
+/// a quarter second in which the answers stall (a slow disk, a paused
+/// process) with the new sends as before is not one. Compared with the
+/// answers of the moment, such a stall ended the drain with the base load
+/// at ~0.9 of what the box served, and the new messages of the moment were
+/// booked behind the backlog (~40 s, in five runs of eight on 2026-12-07).
+/// A lasting slowdown still ends it, once the rate is forgotten.
+const SERVED_DECAY: f64 = 0.97;
 /// A drain also begins after this many windows in a row each a drain's by
 /// its own counts: the smoothed rates see the end of a 1.5x surge about a
 /// second after it, and the new messages read meanwhile are held behind
@@ -136,6 +151,7 @@ impl Flow {
             answered: 0,
             arrivals: 0.0,
             answers: 0.0,
+            served: 0.0,
             draining: false,
             surge_seen: now,
             quiet: 0,
@@ -178,10 +194,15 @@ impl Flow {
         }
         self.arrivals += FLOW_WEIGHT * (arrivals - self.arrivals);
         self.answers += FLOW_WEIGHT * (answers - self.answers);
+        self.served = self.answers.max(SERVED_DECAY * self.served);
         self.window_start = now;
         let was_draining = self.draining;
         if self.draining {
-            self.draining = self.arrivals < SURGE_SHARE * self.answers;
+            // In this quarter second too, not only smoothed: after a 3x
+            // surge the smoothed arrivals stay above the answers for a
+            // second, and the drain seen by quiet windows went off and on a
+            // quarter second apart.
+            self.draining = arrivals.min(self.arrivals) < SURGE_SHARE * self.served;
         } else {
             self.draining =
                 self.arrivals < DRAIN_SHARE * self.answers || self.quiet >= QUIET_WINDOWS;
@@ -191,7 +212,8 @@ impl Flow {
 
     /// New sends arrived at less than [`DRAIN_SHARE`] of those answered
     /// (smoothed, or in each of the last [`QUIET_WINDOWS`]), and not at
-    /// [`SURGE_SHARE`] or more since.
+    /// [`SURGE_SHARE`] of what the gateway answered lately or more (smoothed
+    /// and in one window) since.
     pub(super) fn draining(&self) -> bool {
         self.draining
     }
@@ -331,6 +353,54 @@ mod tests {
         // More new sends than answers: a surge again.
         flow_windows(&mut flow, &mut now, 4, 1_500, 1_000);
         assert!(!flow.draining());
+    }
+
+    /// A drain seen by quarter seconds each a drain's by its own counts
+    /// holds while they last, though the smoothed arrivals still show the
+    /// surge (it went off and on a quarter second apart, and the new
+    /// messages of the off quarter seconds were booked behind the backlog).
+    #[test]
+    fn a_drain_seen_by_quiet_quarter_seconds_holds_while_they_last() {
+        let (mut flow, mut now) = surged(4_000);
+        let mut windows = 0;
+        while !flow.draining() {
+            flow_window(&mut flow, &mut now, 800, 1_000);
+            windows += 1;
+            // (A quarter second's counts are read at the next one's first
+            // event.)
+            assert!(windows <= QUIET_WINDOWS + 1, "not seen");
+        }
+        for _ in 0..8 {
+            flow_window(&mut flow, &mut now, 800, 1_000);
+            assert!(flow.draining(), "{flow:?}");
+        }
+    }
+
+    /// In a slow hour the base load after a surge is ~0.9 of what the box
+    /// answers, and a quarter second in which the answers stall is not a
+    /// surge: the drain goes on (ended by it, the new messages of the
+    /// moment were booked behind the backlog, ~40 s). Answers slower for
+    /// good than the new sends do end it.
+    #[test]
+    fn a_stall_of_the_answers_mid_drain_is_not_a_surge() {
+        let (mut flow, mut now) = surged(3_000);
+        flow_windows(&mut flow, &mut now, 3, 880, 1_000);
+        assert!(flow.draining());
+        // A quarter second answering 400, then one answering 700, with the
+        // new sends as before.
+        flow_window(&mut flow, &mut now, 880, 400);
+        flow_window(&mut flow, &mut now, 880, 700);
+        assert!(flow.draining(), "a stall of the answers");
+        flow_windows(&mut flow, &mut now, 8, 880, 1_000);
+        assert!(flow.draining());
+        // The box slows for good: 800 answered a quarter second.
+        let mut windows = 0;
+        while flow.draining() {
+            flow_window(&mut flow, &mut now, 880, 800);
+            windows += 1;
+            assert!(windows <= 12, "still draining after three seconds");
+        }
+        assert!(windows >= 3, "ended after {windows} quarter seconds");
     }
 
     /// After a surge, new sends arriving at 0.85 of the answers (a load
