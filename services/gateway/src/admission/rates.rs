@@ -119,12 +119,12 @@ const FLOW_WEIGHT: f64 = 0.5;
 /// held to a share of the places.)
 pub(super) const DRAIN_SHARE: f64 = 0.9;
 /// New sends arriving at this share of what the gateway answered lately
-/// or more, smoothed and in the quarter second just ended: a surge again (the backlog no longer shrinks), the queue back
-/// in order of arrival. Between the two shares nothing changes: the
-/// smoothed rates move by a fifth from one quarter second to the next, and
-/// a send booked behind the backlog in a quarter second that looked like a
-/// surge waited for all of it (a whole second of new messages 13.7 s, in
-/// the middle of a drain).
+/// or more, smoothed and in the quarter second just ended: a surge again
+/// (the backlog no longer shrinks), the queue back in order of arrival.
+/// Between the two shares nothing changes: the smoothed rates move by a
+/// fifth from one quarter second to the next, and a send booked behind the
+/// backlog in a quarter second that looked like a surge waited for all of
+/// it (a whole second of new messages 13.7 s, in the middle of a drain).
 pub(super) const SURGE_SHARE: f64 = 1.0;
 /// How fast what the gateway answered lately forgets a higher rate: by
 /// this a quarter second, about a fifth in 3 s. A surge is new sends
