@@ -652,9 +652,6 @@ async fn upgrade(
         })
 }
 
-/// Serve phones on `listener` until `shutdown` is cancelled; then refuse new
-/// connections, stop reading frames, and return once every send in flight
-/// has been answered (the caller bounds this with its grace period).
 /// How often the admission's gauges are sampled besides as sends come.
 const SAMPLE_EVERY: Duration = Duration::from_secs(1);
 
@@ -675,6 +672,9 @@ async fn sample_every(every: Duration, gateway: Arc<Gateway>, shutdown: Cancella
     }
 }
 
+/// Serve phones on `listener` until `shutdown` is cancelled; then refuse new
+/// connections, stop reading frames, and return once every send in flight
+/// has been answered (the caller bounds this with its grace period).
 pub async fn serve(
     listener: TcpListener,
     gateway: Arc<Gateway>,

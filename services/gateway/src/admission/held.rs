@@ -9,7 +9,7 @@ use std::{
 
 use tokio::sync::oneshot;
 
-use super::{Call, Holder, Newness};
+use super::{Call, Holder};
 
 /// A held send in a queue.
 pub(super) struct Waiter {
@@ -34,7 +34,7 @@ pub(super) struct Waiter {
 impl Waiter {
     /// Whether its message was arriving when held.
     pub(super) fn arriving(&self) -> bool {
-        Newness::of(self.age) == Newness::Arriving
+        super::arriving(self.age)
     }
 
     /// When its message was written: in the urgent lane the youngest new
