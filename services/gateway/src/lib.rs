@@ -181,17 +181,6 @@ fn held_budget(limits: &Limits) -> usize {
 /// milliseconds, so a small part holds all of them.
 const AHEAD_RESERVE: usize = 64;
 
-/// A send going ahead of the backlog that finds even that reserve full is
-/// asked back after about this long (jittered by ±50%), not at the end of
-/// the appointments: the reserve frees as the sends in it are answered.
-/// (With the end's appointment, such a send waited for the whole backlog
-/// it was to go ahead of.) After a 3x surge on the pinned wiring the
-/// reserve stayed full for 1.5-2 s, and such a send back while every
-/// place was still taken was booked at the end after all, as a phone on
-/// time is (docs/overload-log.md, "Whose are the 20-40 s after a 3x surge";
-/// keeping it ahead, tried, slowed every new send of those seconds).
-const AHEAD_RETRY: Duration = Duration::from_millis(250);
-
 /// What holding `cmd` costs of the budget for held sends, in bytes of
 /// memory.
 fn held_bytes(cmd: &SendCmd) -> u32 {
@@ -345,14 +334,17 @@ impl Gateway {
             .flatten()
         else {
             // No room to hold it: the phone keeps the appointment, or,
-            // going ahead of the backlog, comes back soon. Counted apart,
-            // so an operator sees the budget (memory) bind.
-            let retry_after = if promoted {
-                AHEAD_RETRY.mul_f64(rand::random_range(0.5..1.5))
+            // going ahead of the backlog, comes back soon (with such sends
+            // spread), not at the end of the appointments, where it would
+            // wait for the whole backlog it was to go ahead of. Counted
+            // apart, so an operator sees the budget (memory) bind.
+            let refusal = if promoted {
+                self.admission
+                    .no_room_ahead(sender.as_str(), &cmd.id, cmd.age)
             } else {
-                wait
+                Refusal::Appointment { retry_after: wait }
             };
-            return Err(self.refused_for("held_bytes", Refusal::Appointment { retry_after }));
+            return Err(self.refused_for("held_bytes", refusal));
         };
         let leader = match self.resends.lead(key) {
             Ok(leader) => leader,

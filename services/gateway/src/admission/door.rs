@@ -28,6 +28,13 @@ const FORGET_AFTER: Duration = Duration::from_secs(60);
 /// Below this share of the limit in flight, held sends go before their
 /// appointment.
 pub(super) const PULL_FORWARD: f64 = 0.875;
+/// A send going ahead of the backlog that could not be held is asked back
+/// no sooner than this ([`State::no_room_ahead`]), not at the end of the
+/// appointments, where it waited for the whole backlog it was to go ahead
+/// of: the reserve it found full frees as the sends in it are answered
+/// (after a 3x surge on the pinned wiring it stayed full for 1.5-2 s;
+/// docs/overload-log.md, "Whose are the 20-40 s after a 3x surge").
+pub(super) const AHEAD_RETRY: Duration = Duration::from_millis(125);
 
 /// The door's state: see the module's comment.
 #[derive(Debug)]
@@ -47,6 +54,9 @@ pub(super) struct State {
     flow: Flow,
     /// The last appointment given out.
     last_slot: Instant,
+    /// The last appointment given to a send going ahead of the backlog
+    /// that could not be held ([`State::no_room_ahead`]).
+    ahead_slot: Instant,
     pub(super) book: HashMap<u64, Instant>,
     last_sweep: Instant,
     /// The held sends.
@@ -64,6 +74,7 @@ impl State {
             pace: Pace::new(now),
             flow: Flow::new(now),
             last_slot: now,
+            ahead_slot: now,
             book: HashMap::new(),
             last_sweep: now,
             queues: Queues::default(),
@@ -223,6 +234,36 @@ impl State {
         }
     }
 
+    /// A send going ahead of the backlog, of a message its phone has had
+    /// for `age`, that found no room to be held (the budget for held sends
+    /// full up to what it may take): an appointment on a line of its own,
+    /// one send's time after the last one given there, so that the sends
+    /// refused together come back spread at the pace the gateway serves;
+    /// at the end of the backlog's, with the backlog, if the message would
+    /// be old by then. Asked back in a quarter second each, the messages
+    /// of a 3x surge's last seconds that their phones let go after it
+    /// (26,000 on the pinned wiring) came back up to 14 times each,
+    /// 20,000-40,000 refusals a second for four seconds, and three in four
+    /// were booked at the end after all, once old; their refusals kept the
+    /// phones' throttles holding back the new messages of those seconds.
+    pub(super) fn no_room_ahead(
+        &mut self,
+        key: u64,
+        age: Duration,
+        now: Instant,
+        options: &AdmissionOptions,
+        rng: &mut impl Rng,
+    ) -> Refusal {
+        let slot = (self.ahead_slot + self.pace.spacing()).max(now + AHEAD_RETRY);
+        let wait = slot - now;
+        if !super::fresh(age + wait) {
+            return self.book(key, now, options, rng);
+        }
+        self.ahead_slot = slot;
+        self.book.insert(key, slot);
+        Refusal::AheadOfBacklog { retry_after: wait }
+    }
+
     /// Give `key` the next appointment (or shed it past the horizon).
     fn book(
         &mut self,
@@ -348,6 +389,15 @@ impl State {
     /// gateway answers: the surge is over.
     pub(super) fn draining(&self) -> bool {
         !self.queues.is_empty() && self.flow.draining()
+    }
+
+    /// Appointments given out and not kept yet, those nobody came for
+    /// forgotten first: read by the gauges each second, so that a gateway
+    /// no send reaches any more does not show the appointments of its last
+    /// surge for good (90,000 after a 3x surge on the pinned wiring).
+    pub(super) fn booked(&mut self, now: Instant) -> usize {
+        self.sweep(now);
+        self.book.len()
     }
 
     /// Forget appointments nobody came for, now and then.
@@ -599,6 +649,65 @@ mod tests {
             door.admit(key, now).is_err(),
             "no backlog, no room above the limit"
         );
+    }
+
+    /// Sends going ahead of the backlog that could not be held come back
+    /// spread at the pace the gateway serves, each about once, not all in
+    /// the same quarter second; a message that would be old by its time on
+    /// that line is booked at the end, with the backlog.
+    #[test]
+    fn sends_ahead_that_could_not_be_held_are_asked_back_spread() {
+        let now = Instant::now();
+        let mut door = Door::full(10, 1_000.0, now);
+        let spacing = Duration::from_millis(1);
+        let mut no_room = |key: u64, age: Duration, at: Instant| {
+            door.state
+                .no_room_ahead(key, age, at, &door.options, &mut door.rng)
+        };
+        let waits: Vec<_> = (0..1_000)
+            .map(|key| match no_room(key, Duration::ZERO, now) {
+                Refusal::AheadOfBacklog { retry_after } => retry_after,
+                other => panic!("expected a time ahead of the backlog, got {other:?}"),
+            })
+            .collect();
+        assert_eq!(waits[0], AHEAD_RETRY, "the reserve frees in milliseconds");
+        assert!(
+            waits.windows(2).all(|two| two[1] == two[0] + spacing),
+            "one send's time apart"
+        );
+        // A quarter second later the line's next time is 1.125 s from the start:
+        // a message its phone has had for 4 s would still be fresh at its
+        // time on it, one had for 4.2 s would not.
+        let later = now + Duration::from_millis(250);
+        let fresh = no_room(5_000, Duration::from_secs(4), later);
+        assert_eq!(
+            fresh,
+            Refusal::AheadOfBacklog {
+                retry_after: Duration::from_millis(875)
+            }
+        );
+        let old = no_room(5_001, Duration::from_millis(4_200), later);
+        assert!(
+            matches!(old, Refusal::Appointment { .. }),
+            "booked with the backlog: {old:?}"
+        );
+        assert_eq!(door.state.book[&5_001], door.state.last_slot, "at the end");
+        assert_eq!(door.state.book[&5_000], later + fresh.retry_after());
+    }
+
+    /// Appointments nobody came for are forgotten a minute after their
+    /// time even if no send arrives after them to sweep them out.
+    #[test]
+    fn appointments_nobody_came_for_are_forgotten_without_another_send() {
+        let now = Instant::now();
+        let mut door = Door::full(10, 1_000.0, now);
+        for key in 100..110 {
+            wait(door.admit(key, now));
+        }
+        assert_eq!(door.state.booked(now), 10);
+        let slot = door.state.last_slot;
+        assert_eq!(door.state.booked(slot + FORGET_AFTER / 2), 10);
+        assert_eq!(door.state.booked(slot + FORGET_AFTER), 0);
     }
 
     /// While the backlog drains, a phone back on time for its appointment

@@ -423,6 +423,16 @@ impl Admission {
             .appoint(key, Newness::of(age), now, &self.options, &mut rand::rng())
     }
 
+    /// The send of (`sender`, `id`), going ahead of the backlog, a message
+    /// its phone has had for `age`, found no room to be held: when to come
+    /// back ([`State::no_room_ahead`]).
+    pub fn no_room_ahead(&self, sender: &str, id: &[u8], age: Duration) -> Refusal {
+        let key = self.key(sender, id);
+        let now = Instant::now();
+        self.lock()
+            .no_room_ahead(key, age, now, &self.options, &mut rand::rng())
+    }
+
     /// Hold the send of (`sender`, `id`), a message its phone has had for
     /// `age` and whose appointment is `wait` from now, until a place is
     /// given to it (see the module's comment).
@@ -542,11 +552,12 @@ impl Admission {
     /// [`drain::DrainCap`]), the sends held and whether the backlog
     /// drains, read at once, for the gauges.
     pub fn gauges(&self) -> AdmissionGauges {
-        let state = self.lock();
+        let now = Instant::now();
+        let mut state = self.lock();
         AdmissionGauges {
             limit: state.aimd.limit(),
-            booked: state.book.len(),
-            backlog_places: state.backlog_room(Instant::now()),
+            booked: state.booked(now),
+            backlog_places: state.backlog_room(now),
             held: usize::try_from(self.waiting.get()).unwrap_or(0),
             draining: state.draining(),
         }
@@ -561,7 +572,7 @@ impl Admission {
 
     /// Appointments given out and not kept yet (held sends included).
     pub fn booked(&self) -> usize {
-        self.lock().book.len()
+        self.lock().booked(Instant::now())
     }
 
     fn key(&self, sender: &str, id: &[u8]) -> u64 {
