@@ -74,16 +74,11 @@ impl Throttles {
         held
     }
 
-    /// [`Throttle::refused`], for a send of a message `fresh` or not. For
-    /// the fresh messages' throttle, a wait longer than [`FRESH_HOLD`]
-    /// counts as that long.
+    /// [`Throttle::refused`], for a send of a message `fresh` or not.
     pub(crate) fn refused(&mut self, now: Instant, hint: Option<Duration>, fresh: bool) {
         self.all.refused(now, hint);
         if fresh {
-            self.fresh.refused(
-                now,
-                Some(hint.map_or(FRESH_HOLD, |hint| hint.min(FRESH_HOLD))),
-            );
+            self.fresh.refused(now, hint);
         }
     }
 
@@ -97,17 +92,6 @@ impl Throttles {
         }
     }
 }
-
-/// The fresh messages' throttle holds back at most this long after the
-/// last refusal of a fresh message. The wait a refusal asks for is that
-/// message's appointment, up to 20 s at the end of a surge, while the
-/// gateway takes the phone's next new messages ahead of its backlog: held
-/// back for as long as that wait ran, with the surge's refusals still in
-/// the counts, a fifth of the new messages of the 2nd-5th seconds after a
-/// 3x surge were held back 0.5-1.3 s (the median), and they were most of
-/// those answered after 1 s. In a surge the refusals keep coming and keep
-/// the throttle holding back.
-const FRESH_HOLD: Duration = DEFAULT_WAIT;
 
 /// The counts cover two buckets of this length: the current one and the
 /// one before it. Short, because a phone must notice a surge within a few
@@ -411,26 +395,11 @@ mod tests {
             let held = held_of_100(&mut throttles, now, fresh);
             assert!(held > 50, "{held} of 100 held back (fresh: {fresh})");
         }
-        // Each waits what is left of its own throttle's last wait asked for
-        // (a fresh message's counted as a second at most), up to a second.
-        let now = start + Duration::from_millis(600);
-        assert_eq!(throttles.wait(now, 1.0, true), Duration::from_millis(400));
-        assert_eq!(throttles.wait(now, 1.0, false), DEFAULT_WAIT);
-    }
-
-    /// A fresh message booked 20 s out at the end of a surge: the phone's
-    /// next new messages are held back for a second at most after it, not
-    /// for the 20 s; its old messages still for the whole wait.
-    #[test]
-    fn a_long_wait_holds_back_fresh_messages_for_a_second_at_most() {
-        let start = Instant::now();
-        let mut throttles = Throttles::new(2.0, start);
-        all_refused(&mut throttles, start, true, Duration::from_secs(20));
-        let soon = start + FRESH_HOLD / 2;
-        assert!(held_of_100(&mut throttles, soon, true) > 50);
-        let later = start + FRESH_HOLD + Duration::from_millis(1);
-        assert!(held_of_100(&mut throttles, later, false) > 50);
-        assert_eq!(held_of_100(&mut throttles, later, true), 0);
+        // Each waits what is left of its own throttle's last wait asked for.
+        assert_eq!(
+            throttles.wait(start + Duration::from_millis(2_600), 1.0, true),
+            Duration::from_millis(400)
+        );
     }
 
     #[test]
