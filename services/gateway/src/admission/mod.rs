@@ -50,7 +50,9 @@
 //! appointment would leave capacity idle while sends wait. Nothing waits
 //! on a clock: the places given back drive the queue (and while fewer than
 //! that are in flight, nothing is held). A held send still there long
-//! after its appointment ([`STALE_AFTER`] the horizon) is given up.
+//! after its appointment ([`STALE_AFTER`] the horizon) is given up, and so
+//! is one whose message reached the phones' give-up age while held
+//! ([`imdedup_proto::GIVE_UP_AFTER`]): its phone no longer waits for it.
 //!
 //! **New sends first once the surge is over.** Once new sends arrive
 //! slower than the gateway answers ([`rates::DRAIN_SHARE`], smoothed over quarter
@@ -66,7 +68,11 @@
 //! they leave; in order of arrival they would wait behind all of it. The
 //! new messages held behind the backlog in the moments before the drain
 //! was seen (since the quarter second in which the backlog last grew)
-//! move to its front when it is ([`Call::Ahead`]).
+//! move to its front when it is ([`Call::Ahead`]). A send going ahead
+//! that the gateway cannot hold (its budget for held sends full) is
+//! asked back at a time on a line of its own, paced as the appointments
+//! are, or booked at the end if its message would be old by then
+//! ([`Admission::no_room_ahead`]).
 //! During a surge (more arriving than answered) the queue stays in order
 //! of arrival, so no held send is starved by the surge's new sends. A send
 //! behind a held send of its conversation still waits for it, so while
