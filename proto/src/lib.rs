@@ -20,13 +20,6 @@ use std::time::Duration;
 /// for its fresh messages. One value for both sides.
 pub const FRESH_FOR: Duration = Duration::from_secs(5);
 
-/// The protocol's resend schedule gives a message up this long after it
-/// was written (the book's: resends at 1, 3, 7 and 15 s, given up at
-/// 31 s): a phone on that schedule no longer waits for its ACK. The
-/// gateway answers a held send whose message reaches this age while held
-/// `overloaded` (not stored) rather than spend a place on it.
-pub const GIVE_UP_AFTER: Duration = Duration::from_secs(31);
-
 /// Version 1 of the protocol, package `imdedup.v1`.
 pub mod v1 {
     tonic::include_proto!("imdedup.v1");

@@ -7,7 +7,6 @@ use std::{
     time::{Duration, Instant},
 };
 
-use imdedup_proto::GIVE_UP_AFTER;
 use tokio::sync::oneshot;
 
 use super::{Call, Holder};
@@ -36,17 +35,6 @@ impl Waiter {
     /// Whether its message was arriving when held.
     pub(super) fn arriving(&self) -> bool {
         super::arriving(self.age)
-    }
-
-    /// Whether its message reached the phones' give-up age
-    /// ([`imdedup_proto::GIVE_UP_AFTER`]) while it was held: its phone, on
-    /// the protocol's schedule, no longer waits for its answer, and a place
-    /// given to it is taken from a send whose phone does. One that was
-    /// that old when held (a phone resending from its outbox later) is
-    /// served as any other.
-    fn given_up(&self, now: Instant) -> bool {
-        self.age < GIVE_UP_AFTER
-            && self.age + now.saturating_duration_since(self.held_at) >= GIVE_UP_AFTER
     }
 
     /// When its message was written: in the urgent lane the youngest new
@@ -174,10 +162,9 @@ impl Queues {
     }
 
     /// The first send of `lane` still worth a place: those before it whose
-    /// connection closed, held longer than `stale` after their
-    /// appointment, or whose messages reached the phones' give-up age while
-    /// held ([`Waiter::given_up`]) are dropped (their phones are told) and
-    /// their appointments forgotten from `book`.
+    /// connection closed, or held longer than `stale` after their
+    /// appointment, are dropped (their phones are told) and their
+    /// appointments forgotten from `book`.
     pub(super) fn live_front(
         &mut self,
         lane: Lane,
@@ -186,10 +173,7 @@ impl Queues {
         stale: Duration,
     ) -> Option<&Waiter> {
         while let Some(front) = self.front(lane) {
-            if !front.place.is_closed()
-                && now.saturating_duration_since(front.due) <= stale
-                && !front.given_up(now)
-            {
+            if !front.place.is_closed() && now.saturating_duration_since(front.due) <= stale {
                 break;
             }
             if let Some(gone) = self.pop_front(lane) {
@@ -238,50 +222,6 @@ mod tests {
             holder,
         };
         queues.push(waiter, Lane::Urgent);
-    }
-
-    /// A held send whose message reaches the phones' give-up age while it
-    /// waits is dropped when it comes to the front (its phone is told);
-    /// one already that old when held is served.
-    #[test]
-    fn a_held_send_its_phone_gave_up_on_is_dropped_at_the_front() {
-        let now = Instant::now();
-        let mut queues = Queues::default();
-        let mut hold = |key: u64, age: Duration| {
-            let (place, answer) = oneshot::channel();
-            let waiter = Waiter {
-                key,
-                due: now,
-                held_at: now,
-                age,
-                place,
-                holder: Holder::Backlog,
-            };
-            queues.push(waiter, Lane::Backlog);
-            answer
-        };
-        let mut given_up = hold(1, GIVE_UP_AFTER - Duration::from_secs(10));
-        let _outbox = hold(2, GIVE_UP_AFTER + Duration::from_secs(600));
-        let mut book = HashMap::from([(1, now), (2, now)]);
-        let stale = Duration::from_secs(30);
-        let soon = now + Duration::from_secs(9);
-        let front = queues.live_front(Lane::Backlog, &mut book, soon, stale);
-        assert_eq!(front.map(|waiter| waiter.key), Some(1), "still waited for");
-        let later = now + Duration::from_secs(10);
-        let front = queues.live_front(Lane::Backlog, &mut book, later, stale);
-        assert_eq!(
-            front.map(|waiter| waiter.key),
-            Some(2),
-            "sent from an outbox"
-        );
-        assert!(
-            matches!(
-                given_up.try_recv(),
-                Err(oneshot::error::TryRecvError::Closed)
-            ),
-            "its place will never come"
-        );
-        assert!(!book.contains_key(&1));
     }
 
     /// After a surge, new sends of messages written in its last seconds

@@ -50,9 +50,7 @@
 //! appointment would leave capacity idle while sends wait. Nothing waits
 //! on a clock: the places given back drive the queue (and while fewer than
 //! that are in flight, nothing is held). A held send still there long
-//! after its appointment ([`STALE_AFTER`] the horizon) is given up, and so
-//! is one whose message reached the phones' give-up age while held
-//! ([`imdedup_proto::GIVE_UP_AFTER`]): its phone no longer waits for it.
+//! after its appointment ([`STALE_AFTER`] the horizon) is given up.
 //!
 //! **New sends first once the surge is over.** Once new sends arrive
 //! slower than the gateway answers ([`rates::DRAIN_SHARE`], smoothed over quarter
