@@ -3,7 +3,7 @@
 //! back goes to.
 
 use std::{
-    collections::{HashMap, HashSet, VecDeque},
+    collections::HashMap,
     time::{Duration, Instant},
 };
 
@@ -25,10 +25,6 @@ const MIN_WAIT: Duration = Duration::from_millis(5);
 const MAX_BOOKED: usize = 1 << 20;
 /// An appointment nobody came for is forgotten this long after its time.
 const FORGET_AFTER: Duration = Duration::from_secs(60);
-/// Arriving messages refused are remembered this long, for
-/// [`State::drain_began`]: longer than the gateway takes to see a surge's
-/// end (two to four quarter seconds).
-const REFUSED_ARRIVING_FOR: Duration = Duration::from_secs(2);
 /// Below this share of the limit in flight, held sends go before their
 /// appointment.
 pub(super) const PULL_FORWARD: f64 = 0.875;
@@ -63,12 +59,6 @@ pub(super) struct State {
     ahead_slot: Instant,
     pub(super) book: HashMap<u64, Instant>,
     last_sweep: Instant,
-    /// Messages refused as they arrived in the last
-    /// [`REFUSED_ARRIVING_FOR`], the latest last.
-    refused_arriving: VecDeque<(Instant, u64)>,
-    /// Messages refused as they arrived after a surge, before its end was
-    /// seen: new messages, however old when their phones come back.
-    late_new: HashSet<u64>,
     /// The held sends.
     queues: Queues,
 }
@@ -87,8 +77,6 @@ impl State {
             ahead_slot: now,
             book: HashMap::new(),
             last_sweep: now,
-            refused_arriving: VecDeque::new(),
-            late_new: HashSet::new(),
             queues: Queues::default(),
         }
     }
@@ -105,9 +93,7 @@ impl State {
     ) -> Result<Holder, Refusal> {
         let limit = self.aimd.limit();
         let appointment = self.book.get(&key).copied();
-        let late_new = self.late_new.contains(&key);
-        let fresh = newness.fresh() || late_new;
-        let new = fresh && (appointment.is_none() || late_new);
+        let new = appointment.is_none() && newness.fresh();
         if appointment.is_none() && newness == Newness::Arriving {
             self.arrived(now);
         }
@@ -127,7 +113,7 @@ impl State {
             // asked back until their messages were old and booked at the
             // end (a fifth to a half of the new messages of the first
             // seconds after the surge answered after 20-40 s).
-            _ if draining && !fresh && (on_time || appointment.is_none()) => {
+            _ if draining && !newness.fresh() && (on_time || appointment.is_none()) => {
                 self.in_flight < self.backlog_room(now)
             }
             // Its turn: in, even above the limit (the appointments are
@@ -142,10 +128,6 @@ impl State {
         if admitted {
             let holder = if new {
                 self.new_in_flight += 1;
-                if late_new {
-                    self.late_new.remove(&key);
-                    self.book.remove(&key);
-                }
                 Holder::New
             } else {
                 // A phone back for its appointment, or an old message the
@@ -173,7 +155,7 @@ impl State {
             // second ahead of the backlog (the budget for held sends full)
             // was asked back in 20 s when it came (a fifth to a half of
             // the new messages of the second second after a 3x surge).
-            _ if fresh && draining && self.book.len() < MAX_BOOKED => {
+            _ if newness.fresh() && draining && self.book.len() < MAX_BOOKED => {
                 self.pace.refused(now);
                 return Err(self.ahead_of_backlog(key, now));
             }
@@ -186,9 +168,6 @@ impl State {
             Some(_) | None => {}
         }
         self.pace.refused(now);
-        if newness == Newness::Arriving {
-            self.refused_arriving.push_back((now, key));
-        }
         Err(self.book(key, now, options, rng))
     }
 
@@ -209,21 +188,11 @@ impl State {
     /// them once the sends before them in their conversations are
     /// answered, and move those ahead, so the conversations' order holds
     /// ([`Call::Ahead`]).
-    ///
-    /// So are the messages refused as they arrived from then on (the
-    /// budget for held sends full): their phones come back with them at
-    /// their appointments, 20 s out, old by then, and were refused again
-    /// as the backlog's and booked at the end (~40 s, or given up: 560 and
-    /// 367 of the first second's 4,173 new messages after a 3x surge on
-    /// the pinned wiring). Now they go ahead of the backlog when they come.
     pub(super) fn drain_began(&mut self, since: Instant) {
         for waiter in self.queues.take_arriving_since(since) {
             self.book.remove(&waiter.key);
             let _ = waiter.place.send(Call::Ahead);
         }
-        let late = self.refused_arriving.iter().rev();
-        let late = late.take_while(|&&(at, _)| at >= since);
-        self.late_new.extend(late.map(|&(_, key)| key));
     }
 
     /// [`super::Admission::appoint`].
@@ -287,7 +256,7 @@ impl State {
     ) -> Refusal {
         let slot = (self.ahead_slot + self.pace.spacing()).max(now + AHEAD_RETRY);
         let wait = slot - now;
-        if !super::fresh(age + wait) && !self.late_new.contains(&key) {
+        if !super::fresh(age + wait) {
             return self.book(key, now, options, rng);
         }
         self.ahead_slot = slot;
@@ -439,17 +408,6 @@ impl State {
         self.last_sweep = now;
         self.book
             .retain(|_, slot| now.saturating_duration_since(*slot) < FORGET_AFTER);
-        while self
-            .refused_arriving
-            .front()
-            .is_some_and(|&(at, _)| now.saturating_duration_since(at) > REFUSED_ARRIVING_FOR)
-        {
-            self.refused_arriving.pop_front();
-        }
-        // With no backlog, nothing to go ahead of.
-        if self.queues.is_empty() {
-            self.late_new.clear();
-        }
     }
 }
 
@@ -691,34 +649,6 @@ mod tests {
             door.admit(key, now).is_err(),
             "no backlog, no room above the limit"
         );
-    }
-
-    /// A new message refused as it arrived in the moment before the end of
-    /// a surge was seen goes ahead of the backlog when its phone comes
-    /// back for its appointment, old by then, not with the backlog; one
-    /// refused earlier in the surge goes with the backlog.
-    #[test]
-    fn a_message_refused_as_the_surge_ended_goes_ahead_when_it_comes_back() {
-        let (mut door, mut now, mut key, _backlog) = in_a_surge(2);
-        let full = 2 * door.state.aimd.limit();
-        let (early, late) = (900_000, 900_001);
-        door.state.in_flight = full;
-        let early_slot = now + wait(door.admit(early, now));
-        // The surge goes on for a second, then ends.
-        traffic(&mut door, &mut now, &mut key, 4, 30, 10);
-        door.state.in_flight = full;
-        let late_slot = now + wait(door.admit(late, now));
-        traffic(&mut door, &mut now, &mut key, 6, 5, 10);
-        assert!(door.state.draining(), "the surge is seen to be over");
-        let at = now.max(early_slot).max(late_slot);
-        door.state.in_flight = door.state.aimd.limit();
-        wait(door.send(early, Newness::Old, at));
-        assert!(
-            door.send(late, Newness::Old, at).is_ok(),
-            "in above the limit, as a new send"
-        );
-        assert!(!door.state.book.contains_key(&late));
-        assert!(!door.state.late_new.contains(&late));
     }
 
     /// Sends going ahead of the backlog that could not be held come back
