@@ -675,9 +675,9 @@ mod tests {
             waits.windows(2).all(|two| two[1] == two[0] + spacing),
             "one send's time apart"
         );
-        // A quarter second later the line's next time is 1.125 s from the start:
-        // a message its phone has had for 4 s would still be fresh at its
-        // time on it, one had for 4.2 s would not.
+        // A quarter second later the line's next time is 1.125 s from the
+        // start: a message its phone has had for 4 s would still be fresh
+        // at its time on it, one had for 4.2 s would not.
         let later = now + Duration::from_millis(250);
         let fresh = no_room(5_000, Duration::from_secs(4), later);
         assert_eq!(

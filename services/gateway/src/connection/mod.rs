@@ -619,10 +619,10 @@ mod tests {
     /// backlog (new sends while it drains): a backlog that fills the rest
     /// does not make them wait behind it. Refused for the budget, a send
     /// of the backlog keeps its appointment; one going ahead is asked back
-    /// soon (such sends spread), not at the end of the appointments. The last half
-    /// of that part is kept for messages arriving now: a send ahead with an
-    /// older message (the surge's last, let go by its phone) waits behind
-    /// them, held for seconds, and must not fill all of it.
+    /// soon (such sends spread), not at the end of the appointments. The
+    /// last half of that part is kept for messages arriving now: a send
+    /// ahead with an older message (the surge's last, let go by its phone)
+    /// waits behind them, held for seconds, and must not fill all of it.
     #[tokio::test]
     async fn a_send_going_ahead_of_the_backlog_may_take_the_budgets_reserve() {
         // Every send the same size: ids of three digits.
