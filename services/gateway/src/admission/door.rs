@@ -227,7 +227,11 @@ impl State {
     /// An appointment for `key` one send's time from now, ahead of the
     /// backlog's.
     fn ahead_of_backlog(&mut self, key: u64, now: Instant) -> Refusal {
-        let slot = now + self.pace.spacing();
+        self.ahead_at(key, now + self.pace.spacing(), now)
+    }
+
+    /// `key`'s appointment ahead of the backlog, at `slot`.
+    fn ahead_at(&mut self, key: u64, slot: Instant, now: Instant) -> Refusal {
         self.book.insert(key, slot);
         Refusal::AheadOfBacklog {
             retry_after: (slot - now).max(MIN_WAIT),
@@ -255,13 +259,11 @@ impl State {
         rng: &mut impl Rng,
     ) -> Refusal {
         let slot = (self.ahead_slot + self.pace.spacing()).max(now + AHEAD_RETRY);
-        let wait = slot - now;
-        if !super::fresh(age + wait) {
+        if !super::fresh(age + (slot - now)) {
             return self.book(key, now, options, rng);
         }
         self.ahead_slot = slot;
-        self.book.insert(key, slot);
-        Refusal::AheadOfBacklog { retry_after: wait }
+        self.ahead_at(key, slot, now)
     }
 
     /// Give `key` the next appointment (or shed it past the horizon).
