@@ -3,7 +3,7 @@
 //! back goes to.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet, VecDeque},
     time::{Duration, Instant},
 };
 
@@ -25,6 +25,16 @@ const MIN_WAIT: Duration = Duration::from_millis(5);
 const MAX_BOOKED: usize = 1 << 20;
 /// An appointment nobody came for is forgotten this long after its time.
 const FORGET_AFTER: Duration = Duration::from_secs(60);
+/// Arriving messages refused are remembered this long, for
+/// [`State::drain_began`]: longer than the gateway takes to see a surge's
+/// end (two to four quarter seconds).
+const REFUSED_ARRIVING_FOR: Duration = Duration::from_secs(2);
+/// A drain that lasts this long is the end of a surge, and the messages
+/// refused as it began go ahead when they come back
+/// ([`State::drain_began`]); one that ends sooner was a moment in the
+/// middle of a surge (its phones' throttles holding most of it back for
+/// two quarter seconds), and those messages are the surge's.
+const DRAIN_CONFIRMED_AFTER: Duration = Duration::from_secs(3);
 /// Below this share of the limit in flight, held sends go before their
 /// appointment.
 pub(super) const PULL_FORWARD: f64 = 0.875;
@@ -59,6 +69,15 @@ pub(super) struct State {
     ahead_slot: Instant,
     pub(super) book: HashMap<u64, Instant>,
     last_sweep: Instant,
+    /// Messages refused as they arrived in the last
+    /// [`REFUSED_ARRIVING_FOR`], the latest last.
+    refused_arriving: VecDeque<(Instant, u64)>,
+    /// Messages refused as they arrived after a surge, before its end was
+    /// seen: new messages, however old when their phones come back.
+    late_new: HashSet<u64>,
+    /// Messages refused as a drain began that has not lasted
+    /// [`DRAIN_CONFIRMED_AFTER`] yet, and when it began.
+    late_new_pending: Option<(Instant, Vec<u64>)>,
     /// The held sends.
     queues: Queues,
 }
@@ -77,6 +96,9 @@ impl State {
             ahead_slot: now,
             book: HashMap::new(),
             last_sweep: now,
+            refused_arriving: VecDeque::new(),
+            late_new: HashSet::new(),
+            late_new_pending: None,
             queues: Queues::default(),
         }
     }
@@ -93,7 +115,10 @@ impl State {
     ) -> Result<Holder, Refusal> {
         let limit = self.aimd.limit();
         let appointment = self.book.get(&key).copied();
-        let new = appointment.is_none() && newness.fresh();
+        self.confirm_late_new(now);
+        let late_new = self.late_new.contains(&key);
+        let fresh = newness.fresh() || late_new;
+        let new = fresh && (appointment.is_none() || late_new);
         if appointment.is_none() && newness == Newness::Arriving {
             self.arrived(now);
         }
@@ -113,7 +138,7 @@ impl State {
             // asked back until their messages were old and booked at the
             // end (a fifth to a half of the new messages of the first
             // seconds after the surge answered after 20-40 s).
-            _ if draining && !newness.fresh() && (on_time || appointment.is_none()) => {
+            _ if draining && !fresh && (on_time || appointment.is_none()) => {
                 self.in_flight < self.backlog_room(now)
             }
             // Its turn: in, even above the limit (the appointments are
@@ -128,6 +153,10 @@ impl State {
         if admitted {
             let holder = if new {
                 self.new_in_flight += 1;
+                if late_new {
+                    self.late_new.remove(&key);
+                    self.book.remove(&key);
+                }
                 Holder::New
             } else {
                 // A phone back for its appointment, or an old message the
@@ -155,7 +184,7 @@ impl State {
             // second ahead of the backlog (the budget for held sends full)
             // was asked back in 20 s when it came (a fifth to a half of
             // the new messages of the second second after a 3x surge).
-            _ if newness.fresh() && draining && self.book.len() < MAX_BOOKED => {
+            _ if fresh && draining && self.book.len() < MAX_BOOKED => {
                 self.pace.refused(now);
                 return Err(self.ahead_of_backlog(key, now));
             }
@@ -168,13 +197,16 @@ impl State {
             Some(_) | None => {}
         }
         self.pace.refused(now);
+        if newness == Newness::Arriving {
+            self.refused_arriving.push_back((now, key));
+        }
         Err(self.book(key, now, options, rng))
     }
 
     /// A new send arrived: counted for the drain rule.
     fn arrived(&mut self, now: Instant) {
         if let Some(since) = self.flow.arrived(now) {
-            self.drain_began(since);
+            self.drain_began(since, now);
         }
     }
 
@@ -188,10 +220,39 @@ impl State {
     /// them once the sends before them in their conversations are
     /// answered, and move those ahead, so the conversations' order holds
     /// ([`Call::Ahead`]).
-    pub(super) fn drain_began(&mut self, since: Instant) {
+    ///
+    /// So are the messages refused as they arrived from then on (the
+    /// budget for held sends full): their phones come back with them at
+    /// their appointments, 20 s out, old by then, and were refused again
+    /// as the backlog's and booked at the end (~40 s, or given up: 560 and
+    /// 367 of the first second's 4,173 new messages after a 3x surge on
+    /// the pinned wiring). Now they go ahead of the backlog when they come,
+    /// if the drain lasts [`DRAIN_CONFIRMED_AFTER`]: a drain begun for a
+    /// moment in the middle of a 3x surge marked two seconds of the surge's
+    /// refusals, and those came back 20 s later as new sends, asked back
+    /// every few milliseconds ahead of the backlog.
+    pub(super) fn drain_began(&mut self, since: Instant, now: Instant) {
         for waiter in self.queues.take_arriving_since(since) {
             self.book.remove(&waiter.key);
             let _ = waiter.place.send(Call::Ahead);
+        }
+        let late = self.refused_arriving.iter().rev();
+        let late = late.take_while(|&&(at, _)| at >= since);
+        self.late_new_pending = Some((now, late.map(|&(_, key)| key).collect()));
+    }
+
+    /// The messages refused as the last drain began are new ones if it has
+    /// lasted [`DRAIN_CONFIRMED_AFTER`], the surge's if it ended sooner.
+    fn confirm_late_new(&mut self, now: Instant) {
+        let Some((began, _)) = self.late_new_pending else {
+            return;
+        };
+        if !self.flow.draining() {
+            self.late_new_pending = None;
+        } else if now.saturating_duration_since(began) >= DRAIN_CONFIRMED_AFTER {
+            if let Some((_, keys)) = self.late_new_pending.take() {
+                self.late_new.extend(keys);
+            }
         }
     }
 
@@ -259,7 +320,7 @@ impl State {
         rng: &mut impl Rng,
     ) -> Refusal {
         let slot = (self.ahead_slot + self.pace.spacing()).max(now + AHEAD_RETRY);
-        if !super::fresh(age + (slot - now)) {
+        if !super::fresh(age + (slot - now)) && !self.late_new.contains(&key) {
             return self.book(key, now, options, rng);
         }
         self.ahead_slot = slot;
@@ -343,7 +404,7 @@ impl State {
         let rtt = now.saturating_duration_since(started);
         self.pace.answered(now);
         if let Some(since) = self.flow.answered(now) {
-            self.drain_began(since);
+            self.drain_began(since, now);
         }
         let congested = completion == Completion::Congested || rtt > self.target;
         self.aimd.update(started, now, in_flight, congested);
@@ -410,6 +471,17 @@ impl State {
         self.last_sweep = now;
         self.book
             .retain(|_, slot| now.saturating_duration_since(*slot) < FORGET_AFTER);
+        while self
+            .refused_arriving
+            .front()
+            .is_some_and(|&(at, _)| now.saturating_duration_since(at) > REFUSED_ARRIVING_FOR)
+        {
+            self.refused_arriving.pop_front();
+        }
+        // With no backlog, nothing to go ahead of.
+        if self.queues.is_empty() {
+            self.late_new.clear();
+        }
     }
 }
 
@@ -651,6 +723,64 @@ mod tests {
             door.admit(key, now).is_err(),
             "no backlog, no room above the limit"
         );
+    }
+
+    /// A new message refused as it arrived in the moment before the end of
+    /// a surge was seen goes ahead of the backlog when its phone comes
+    /// back for its appointment, old by then, not with the backlog, once
+    /// the drain has lasted; one refused earlier in the surge goes with the
+    /// backlog.
+    #[test]
+    fn a_message_refused_as_the_surge_ended_goes_ahead_when_it_comes_back() {
+        let (mut door, mut now, mut key, _backlog) = in_a_surge(2);
+        let full = 2 * door.state.aimd.limit();
+        let (early, late) = (900_000, 900_001);
+        door.state.in_flight = full;
+        let early_slot = now + wait(door.admit(early, now));
+        // The surge goes on for a second, then ends, and the backlog drains
+        // for four seconds.
+        traffic(&mut door, &mut now, &mut key, 4, 30, 10);
+        door.state.in_flight = full;
+        let late_slot = now + wait(door.admit(late, now));
+        traffic(&mut door, &mut now, &mut key, 16, 5, 10);
+        assert!(door.state.draining(), "the surge is seen to be over");
+        let at = now.max(early_slot).max(late_slot);
+        door.state.in_flight = door.state.aimd.limit();
+        wait(door.send(early, Newness::Old, at));
+        assert!(
+            door.send(late, Newness::Old, at).is_ok(),
+            "in above the limit, as a new send"
+        );
+        assert!(!door.state.book.contains_key(&late));
+        assert!(!door.state.late_new.contains(&late));
+    }
+
+    /// A drain begun for a moment in the middle of a surge (new sends
+    /// arriving slower than answered for two quarter seconds) does not make
+    /// the messages refused then new: they are the surge's, and go with the
+    /// backlog when their phones come back after the surge's real end.
+    #[test]
+    fn a_moment_of_drain_in_a_surge_does_not_make_its_refusals_new() {
+        let (mut door, mut now, mut key, _backlog) = in_a_surge(2);
+        let full = 2 * door.state.aimd.limit();
+        let mid = 900_000;
+        door.state.in_flight = full;
+        let slot = now + wait(door.admit(mid, now));
+        // Quiet quarter seconds (the second one seen as the third begins):
+        // a drain, for a moment.
+        traffic(&mut door, &mut now, &mut key, 3, 5, 10);
+        assert!(door.state.draining(), "a drain begins");
+        // The surge again, then its real end and a long drain.
+        traffic(&mut door, &mut now, &mut key, 8, 30, 10);
+        assert!(!door.state.draining(), "the surge again");
+        traffic(&mut door, &mut now, &mut key, 16, 5, 10);
+        assert!(door.state.draining(), "the surge is over");
+        door.state.in_flight = door.state.aimd.limit();
+        assert!(
+            door.send(mid, Newness::Old, now.max(slot)).is_err(),
+            "with the backlog, within its share of the places"
+        );
+        assert!(!door.state.late_new.contains(&mid));
     }
 
     /// Sends going ahead of the backlog that could not be held come back

@@ -571,7 +571,7 @@ impl Admission {
     /// at `since` ([`State::drain_began`]).
     #[cfg(test)]
     pub(crate) fn drain_began(&self, since: Instant) {
-        self.lock().drain_began(since);
+        self.lock().drain_began(since, Instant::now());
     }
 
     /// Appointments given out and not kept yet (held sends included).
