@@ -66,7 +66,12 @@
 //! they leave; in order of arrival they would wait behind all of it. The
 //! new messages held behind the backlog in the moments before the drain
 //! was seen (since the quarter second in which the backlog last grew)
-//! move to its front when it is ([`Call::Ahead`]). A send going ahead
+//! move to its front when it is ([`Call::Ahead`]); the new messages
+//! refused then (the budget for held sends full), asked back at the end of
+//! the appointments, go ahead of the backlog when their phones come back,
+//! old by then, if the drain has lasted a few seconds (one begun for a
+//! moment in the middle of a surge does not mark the surge's refusals).
+//! A send going ahead
 //! that the gateway cannot hold (its budget for held sends full) is
 //! asked back at a time on a line of its own, paced as the appointments
 //! are, or booked at the end if its message would be old by then
