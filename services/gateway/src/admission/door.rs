@@ -3,7 +3,7 @@
 //! back goes to.
 
 use std::{
-    collections::{HashMap, HashSet, VecDeque},
+    collections::{HashMap, VecDeque},
     time::{Duration, Instant},
 };
 
@@ -73,8 +73,10 @@ pub(super) struct State {
     /// [`REFUSED_ARRIVING_FOR`], the latest last.
     refused_arriving: VecDeque<(Instant, u64)>,
     /// Messages refused as they arrived after a surge, before its end was
-    /// seen: new messages, however old when their phones come back.
-    late_new: HashSet<u64>,
+    /// seen: new messages, however old when their phones come back; each
+    /// with when it was marked, forgotten after [`FORGET_AFTER`] (its phone
+    /// gave up).
+    late_new: HashMap<u64, Instant>,
     /// Messages refused as a drain began that has not lasted
     /// [`DRAIN_CONFIRMED_AFTER`] yet, and when it began.
     late_new_pending: Option<(Instant, Vec<u64>)>,
@@ -97,7 +99,7 @@ impl State {
             book: HashMap::new(),
             last_sweep: now,
             refused_arriving: VecDeque::new(),
-            late_new: HashSet::new(),
+            late_new: HashMap::new(),
             late_new_pending: None,
             queues: Queues::default(),
         }
@@ -116,7 +118,7 @@ impl State {
         let limit = self.aimd.limit();
         let appointment = self.book.get(&key).copied();
         self.confirm_late_new(now);
-        let late_new = self.late_new.contains(&key);
+        let late_new = self.late_new.contains_key(&key);
         let fresh = newness.fresh() || late_new;
         let new = fresh && (appointment.is_none() || late_new);
         if appointment.is_none() && newness == Newness::Arriving {
@@ -249,10 +251,10 @@ impl State {
         };
         if !self.flow.draining() {
             self.late_new_pending = None;
-        } else if now.saturating_duration_since(began) >= DRAIN_CONFIRMED_AFTER {
-            if let Some((_, keys)) = self.late_new_pending.take() {
-                self.late_new.extend(keys);
-            }
+        } else if now.saturating_duration_since(began) >= DRAIN_CONFIRMED_AFTER
+            && let Some((_, keys)) = self.late_new_pending.take()
+        {
+            self.late_new.extend(keys.into_iter().map(|key| (key, now)));
         }
     }
 
@@ -320,7 +322,7 @@ impl State {
         rng: &mut impl Rng,
     ) -> Refusal {
         let slot = (self.ahead_slot + self.pace.spacing()).max(now + AHEAD_RETRY);
-        if !super::fresh(age + (slot - now)) && !self.late_new.contains(&key) {
+        if !super::fresh(age + (slot - now)) && !self.late_new.contains_key(&key) {
             return self.book(key, now, options, rng);
         }
         self.ahead_slot = slot;
@@ -481,6 +483,9 @@ impl State {
         // With no backlog, nothing to go ahead of.
         if self.queues.is_empty() {
             self.late_new.clear();
+        } else {
+            self.late_new
+                .retain(|_, marked| now.saturating_duration_since(*marked) < FORGET_AFTER);
         }
     }
 }
@@ -752,7 +757,7 @@ mod tests {
             "in above the limit, as a new send"
         );
         assert!(!door.state.book.contains_key(&late));
-        assert!(!door.state.late_new.contains(&late));
+        assert!(!door.state.late_new.contains_key(&late));
     }
 
     /// A drain begun for a moment in the middle of a surge (new sends
@@ -780,7 +785,7 @@ mod tests {
             door.send(mid, Newness::Old, now.max(slot)).is_err(),
             "with the backlog, within its share of the places"
         );
-        assert!(!door.state.late_new.contains(&mid));
+        assert!(!door.state.late_new.contains_key(&mid));
     }
 
     /// Sends going ahead of the backlog that could not be held come back
@@ -840,6 +845,23 @@ mod tests {
         let slot = door.state.last_slot;
         assert_eq!(door.state.booked(slot + FORGET_AFTER / 2), 10);
         assert_eq!(door.state.booked(slot + FORGET_AFTER), 0);
+    }
+
+    /// A message marked to go ahead whose phone never came back (it gave
+    /// up) is forgotten a minute after it was marked, though the backlog is
+    /// still there: the marks do not grow with every surge's give-ups.
+    #[test]
+    fn marks_of_phones_that_never_came_back_are_forgotten() {
+        let now = Instant::now();
+        let mut door = Door::new(options(10), now);
+        let _backlog = held(&mut door.state, 1, now);
+        door.state.late_new.insert(7, now);
+        door.state.late_new.insert(8, now + FORGET_AFTER / 2);
+        door.state.booked(now + FORGET_AFTER / 2);
+        assert!(door.state.late_new.contains_key(&7));
+        door.state.booked(now + FORGET_AFTER);
+        assert!(!door.state.late_new.contains_key(&7), "forgotten");
+        assert!(door.state.late_new.contains_key(&8), "not yet");
     }
 
     /// While the backlog drains, a phone back on time for its appointment
