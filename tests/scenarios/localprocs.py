@@ -83,19 +83,28 @@ class Processes:
                 proc.wait()
 
 
+_ISSUED_PORTS: set[int] = set()
+
+
 def free_port() -> int:
     """A loopback port nothing listens on, below the kernel's ephemeral range
     (32768 and up), which outgoing connections could take before the service
-    binds it."""
+    binds it. Never the same port twice in one run: ports are handed out
+    before their services bind them, so a port checked free a moment ago may
+    already belong to another service of the same cluster (a CI run failed
+    when an ingest's gRPC and admin ports were both given 29911)."""
     import random
     while True:
         port = random.randint(20000, 32000)
+        if port in _ISSUED_PORTS:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _ISSUED_PORTS.add(port)
+        return port
 
 
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
