@@ -106,7 +106,15 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
+# N distinct loopback ports nothing listens on, on one line: all bound at
+# once, so no two are the same (ports asked for one at a time can be).
+free_ports() {
+  python3 -c 'import socket, sys
+socks = [socket.socket() for _ in range(int(sys.argv[1]))]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print(" ".join(str(s.getsockname()[1]) for s in socks))' "$1"
+}
 wait_for() { # seconds, pid-or-empty, cmd...
   local secs="$1" pid="$2" i; shift 2
   for ((i = 0; i < secs * 2; i++)); do
@@ -144,8 +152,7 @@ KUBECTL="$KBIN/kubectl"
 info "$("$KBIN/kubelet" --version), $(containerd --version | awk '{print $1, $3}'), $(runc --version | head -1), state $S"
 
 # --- etcd + kube-apiserver ----------------------------------------------------------------------------------------
-P_ETCD="$(free_port)"; P_PEER="$(free_port)"; P_API="$(free_port)"; P_KCM="$(free_port)"; P_SCHED="$(free_port)"
-P_KUBELET="$(free_port)"; P_KUBELET_HEALTHZ="$(free_port)"
+read -r P_ETCD P_PEER P_API P_KCM P_SCHED P_KUBELET P_KUBELET_HEALTHZ < <(free_ports 7)
 start etcd etcd --name default --data-dir "$S/etcd" \
   --listen-client-urls "http://127.0.0.1:$P_ETCD" --advertise-client-urls "http://127.0.0.1:$P_ETCD" \
   --listen-peer-urls "http://127.0.0.1:$P_PEER" --initial-advertise-peer-urls "http://127.0.0.1:$P_PEER" \
