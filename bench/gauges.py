@@ -20,7 +20,11 @@ http://…/metrics"); a separate-process service's are its `--admin-listen`.
 import argparse
 import sys
 import time
-import urllib.request
+from pathlib import Path
+
+# localprocs.py (the process harness) is shared with the test scenarios.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "scenarios"))
+from localprocs import http_get, metric_samples  # noqa: E402
 
 DEFAULT_GAUGES = [
     "imdedup_gateway_sends_in_flight",
@@ -38,16 +42,13 @@ def read(url: str, gauges: list[str], timeout: float) -> dict[str, float] | None
     """The gauges' values at `url`, each summed over its labels; None if
     the URL did not answer."""
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout) as r:
-            text = r.read().decode("utf-8", "replace")
+        status, body = http_get(url.rstrip("/") + "/metrics", timeout=timeout)
     except OSError:
         return None
+    if status != 200:
+        return None
     values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        name = name_labels.split("{", 1)[0]
+    for name, _, value in metric_samples(body):
         if name in gauges:
             try:
                 values[name] = values.get(name, 0.0) + float(value)

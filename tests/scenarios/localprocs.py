@@ -107,6 +107,17 @@ def free_port() -> int:
         return port
 
 
+def metric_samples(body: bytes):
+    """Each sample of a Prometheus text exposition (a `/metrics` body):
+    its metric's name, the name with its labels as written, and the value
+    as written."""
+    for line in body.decode(errors="replace").splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        metric, _, value = line.rpartition(" ")
+        yield metric.split("{")[0], metric, value
+
+
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:

@@ -24,7 +24,8 @@ import uuid
 from pathlib import Path
 
 from faults import Cluster, TOKEN_SECRET
-from localprocs import HarnessError, driver_report, Processes, free_port, http_get, wait_for, port_open
+from localprocs import (HarnessError, driver_report, Processes, free_port, http_get,
+                        metric_samples, wait_for, port_open)
 
 T0 = time.monotonic()
 USERS = 60
@@ -214,11 +215,7 @@ class Sampler:
         except OSError:
             return {}
         found = {}
-        for line in body.decode(errors="replace").splitlines():
-            if line.startswith("#"):
-                continue
-            metric, _, value = line.rpartition(" ")
-            name = metric.split("{")[0]
+        for name, metric, value in metric_samples(body):
             if name in self.NAMES:
                 found[self.NAMES[name]] = value
             elif name == "imdedup_ingest_shed_total":
