@@ -59,6 +59,7 @@ pub struct StoreMetrics {
     operations: Durations<StoreOperationLabels>,
     nodes_stalled: Family<DbSystemLabels, Gauge>,
     node_stalls: Family<DbSystemLabels, Counter>,
+    writer_queue: Family<DbSystemLabels, Gauge>,
 }
 
 impl Default for StoreMetrics {
@@ -71,6 +72,7 @@ impl Default for StoreMetrics {
             operations: durations(),
             nodes_stalled: Family::default(),
             node_stalls: Family::default(),
+            writer_queue: Family::default(),
         }
     }
 }
@@ -114,6 +116,11 @@ impl StoreMetrics {
             "Times a database node was found silent and routed around",
             m.node_stalls.clone(),
         );
+        registry.register(
+            "imdedup_store_writer_queue",
+            "Inserts at the embedded store's single writer as it began its last commit: those in the commit and those waiting behind it",
+            m.writer_queue.clone(),
+        );
         m
     }
 
@@ -132,6 +139,12 @@ impl StoreMetrics {
                 db_system,
                 operation,
             }));
+        }
+        if db_system == DB_SQLITE {
+            drop(
+                self.writer_queue
+                    .get_or_create(&DbSystemLabels { db_system }),
+            );
         }
         if db_system == DB_CASSANDRA {
             for kind in ["lwt", "write", "read", "serial_read"] {
@@ -205,6 +218,14 @@ impl StoreMetrics {
             .dec();
     }
 
+    /// The embedded store's writer began a commit with `inserts` at hand:
+    /// those in the commit and those still waiting behind it.
+    pub fn writer_queue(&self, db_system: &'static str, inserts: usize) {
+        self.writer_queue
+            .get_or_create(&DbSystemLabels { db_system })
+            .set(i64::try_from(inserts).unwrap_or(i64::MAX));
+    }
+
     /// One database operation (insert, lookup, history) took `elapsed`.
     pub fn operation(
         &self,
@@ -243,6 +264,7 @@ mod tests {
         store.node_stalled(DB_CASSANDRA);
         store.node_stalled(DB_CASSANDRA);
         store.node_answering(DB_CASSANDRA);
+        store.writer_queue(DB_SQLITE, 700);
 
         let text = render(&registry);
         assert_samples(
@@ -276,6 +298,11 @@ mod tests {
                     "imdedup_store_node_stalls_total",
                     &[("db_system", "cassandra")],
                     2.0,
+                ),
+                (
+                    "imdedup_store_writer_queue",
+                    &[("db_system", "sqlite")],
+                    700.0,
                 ),
             ],
         );

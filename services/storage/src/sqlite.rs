@@ -114,9 +114,10 @@ impl SqliteStore {
 
         let (tx, rx) = mpsc::channel(options.max_batch.max(1) * 4);
         let (max_batch, delay) = (options.max_batch.max(1), options.commit_delay);
+        let metrics = options.metrics.clone();
         thread::Builder::new()
             .name("sqlite-writer".into())
-            .spawn(move || run_writer(writer, rx, max_batch, delay))
+            .spawn(move || run_writer(writer, rx, max_batch, delay, &metrics))
             .map_err(|e| Error::internal(format!("cannot start the writer thread: {e}")))?;
         options.metrics.start_at_zero(DB_SQLITE);
         Ok(Self {
@@ -185,6 +186,7 @@ fn run_writer(
     mut jobs: mpsc::Receiver<WriteJob>,
     max_batch: usize,
     commit_delay: Duration,
+    metrics: &StoreMetrics,
 ) {
     let mut batch = Vec::with_capacity(max_batch);
     let take_waiting = |jobs: &mut mpsc::Receiver<WriteJob>, batch: &mut Vec<WriteJob>| {
@@ -202,6 +204,7 @@ fn run_writer(
             thread::sleep(commit_delay);
             take_waiting(&mut jobs, &mut batch);
         }
+        metrics.writer_queue(DB_SQLITE, batch.len() + jobs.len());
         match write_batch(&mut conn, &batch) {
             Ok(results) => {
                 for (job, result) in batch.drain(..).zip(results) {
@@ -543,6 +546,39 @@ mod tests {
             Some(0.0),
             "{text}"
         );
+    }
+
+    /// The writer's queue gauge reads the inserts at hand as a commit
+    /// began: one alone, then four gathered by the commit delay.
+    #[tokio::test]
+    async fn the_writer_queue_counts_the_inserts_a_commit_began_with() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut registry = Registry::default();
+        let mut options = SqliteOptions::new(dir.path().join("messages.db"));
+        options.commit_delay = Duration::from_millis(200);
+        options.metrics = StoreMetrics::register(&mut registry);
+        let store = Arc::new(SqliteStore::open(&options).unwrap());
+        let queue = |registry: &Registry| {
+            sum_samples(
+                &render(registry),
+                "imdedup_store_writer_queue",
+                &[("db_system", "sqlite")],
+            )
+        };
+
+        store.insert_once(message("m0")).await.unwrap();
+        assert_eq!(queue(&registry), Some(1.0));
+        let inserts: Vec<_> = ["m1", "m2", "m3", "m4"]
+            .into_iter()
+            .map(|id| {
+                let store = Arc::clone(&store);
+                tokio::spawn(async move { store.insert_once(message(id)).await.unwrap() })
+            })
+            .collect();
+        for insert in inserts {
+            assert!(matches!(insert.await.unwrap(), Insert::Stored(_)));
+        }
+        assert_eq!(queue(&registry), Some(4.0));
     }
 
     /// A repeat in the middle of a batch fails alone: the inserts around it
