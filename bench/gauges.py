@@ -35,6 +35,7 @@ DEFAULT_GAUGES = [
     "imdedup_ingest_sends_in_flight",
     "imdedup_ingest_db_in_flight",
     "imdedup_ingest_db_concurrency_limit",
+    "imdedup_store_writer_queue",
 ]
 
 
