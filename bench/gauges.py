@@ -8,7 +8,8 @@ URL did not answer). Stops when every URL has stopped answering for
 5 s, or after --seconds. By default the gauges that show how a drain after
 a surge goes: the gateway's sends in flight, its limit, the backlog's
 places, its held sends and whether it drains; an ingest's sends and
-inserts in flight and its database limit.
+inserts in flight and its database limit; the embedded store's inserts at
+its writer as a commit begins.
 
     bench/gauges.py http://127.0.0.1:35379 http://127.0.0.1:34043 > gauges.tsv
     bench/gauges.py URL... --gauge imdedup_gateway_held_sends --interval 0.1
