@@ -749,7 +749,7 @@ scenario() {
   local json="$S/reports/$name.json"
   timeout $((secs + 300)) "$LOAD" steady --url "$URL" --token-secret "$TOKEN_SECRET" --rate "$RATE" --duration "${secs}s" \
     --users "$USERS" --group-share 0 --loss-send 0.01 --loss-ack 0.01 --concurrent-copies 0.01 --seed "$TOTAL" \
-    --json "$json" --quiet >"$S/logs/load-$name.log" 2>&1 &
+    --json "$json" --events "$S/reports/$name.events" --quiet >"$S/logs/load-$name.log" 2>&1 &
   lp=$!
   if [ -n "$action" ]; then
     sleep "${ACTION_AFTER:-10}"
