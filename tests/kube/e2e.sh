@@ -782,6 +782,8 @@ EOF
   else
     [ "$arc" = 0 ] || sed 's/^/      | action: /' "$S/logs/action-$name.log" | tail -15
     [ "$lrc" = 0 ] || sed 's/^/      | load: /' "$S/logs/load-$name.log" | tail -25
+    # the messages never answered, each try on its way (bench/events.py explains the steps)
+    [ "$prc" = 0 ] || awk -F'\t' '$2 == "-"' "$S/reports/$name.events" 2>/dev/null | head -10 | sed 's/^/      | gave up: /'
   fi
   pods_settled >"$S/logs/settle-$name.log" 2>&1 || { chart_state "$S/logs/settle-$name.txt"; fail "after $name: pods did not settle" "$S/logs/settle-$name.txt"; }
 }
