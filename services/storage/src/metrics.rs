@@ -118,7 +118,7 @@ impl StoreMetrics {
         );
         registry.register(
             "imdedup_store_writer_queue",
-            "Inserts at the embedded store's single writer as it began its last commit: those in the commit and those waiting behind it",
+            "Inserts at the embedded store's single writer as it began its last commit: those in the commit and those queued behind it (at most four commits' worth; more wait to be queued, uncounted)",
             m.writer_queue.clone(),
         );
         m
@@ -219,7 +219,9 @@ impl StoreMetrics {
     }
 
     /// The embedded store's writer began a commit with `inserts` at hand:
-    /// those in the commit and those still waiting behind it.
+    /// those in the commit and those queued behind it (its queue holds
+    /// four commits' worth; inserts waiting to enter a full one are not
+    /// counted).
     pub fn writer_queue(&self, db_system: &'static str, inserts: usize) {
         self.writer_queue
             .get_or_create(&DbSystemLabels { db_system })
