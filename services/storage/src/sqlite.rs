@@ -441,6 +441,23 @@ mod tests {
         (dir, store)
     }
 
+    /// Inserts of `ids` sent at once, each from a task of its own (so a
+    /// commit delay gathers them), answered in the order of `ids`.
+    async fn insert_together(store: &Arc<SqliteStore>, ids: &[&'static str]) -> Vec<Insert> {
+        let tasks: Vec<_> = ids
+            .iter()
+            .map(|&id| {
+                let store = Arc::clone(store);
+                tokio::spawn(async move { store.insert_once(message(id)).await.unwrap() })
+            })
+            .collect();
+        let mut answers = Vec::with_capacity(tasks.len());
+        for task in tasks {
+            answers.push(task.await.unwrap());
+        }
+        answers
+    }
+
     /// The seqs of conversation `ana-ben`'s history, in order.
     async fn seqs(store: &SqliteStore) -> Vec<u64> {
         let query = HistoryQuery::new(ConversationId::parse("ana-ben").unwrap(), 0, 10).unwrap();
@@ -568,15 +585,8 @@ mod tests {
 
         store.insert_once(message("m0")).await.unwrap();
         assert_eq!(queue(&registry), Some(1.0));
-        let inserts: Vec<_> = ["m1", "m2", "m3", "m4"]
-            .into_iter()
-            .map(|id| {
-                let store = Arc::clone(&store);
-                tokio::spawn(async move { store.insert_once(message(id)).await.unwrap() })
-            })
-            .collect();
-        for insert in inserts {
-            assert!(matches!(insert.await.unwrap(), Insert::Stored(_)));
+        for insert in insert_together(&store, &["m1", "m2", "m3", "m4"]).await {
+            assert!(matches!(insert, Insert::Stored(_)));
         }
         assert_eq!(queue(&registry), Some(4.0));
     }
@@ -588,17 +598,10 @@ mod tests {
         let (_dir, store) = store_gathering_for(Duration::from_millis(200));
         store.insert_once(message("m0")).await.unwrap();
 
-        let inserts: Vec<_> = ["m1", "m0", "m1", "m2"]
-            .into_iter()
-            .map(|id| {
-                let store = Arc::clone(&store);
-                tokio::spawn(async move { store.insert_once(message(id)).await.unwrap() })
-            })
-            .collect();
         let mut stored = Vec::new();
         let mut repeats = Vec::new();
-        for insert in inserts {
-            match insert.await.unwrap() {
+        for insert in insert_together(&store, &["m1", "m0", "m1", "m2"]).await {
+            match insert {
                 Insert::Stored(row) => stored.push(row.receipt.seq),
                 Insert::AlreadyStored(row) => repeats.push(row.receipt.seq),
             }
